@@ -1,0 +1,117 @@
+// core: knobs, statistics and byte-size parsing.
+#include "core/config.h"
+
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+
+#include "core/check.h"
+
+namespace lazymem {
+
+Stats& stats() {
+  static Stats* s = new Stats(); // leaked: outlives static destructors that may still record
+  return *s;
+}
+
+std::map<std::string, int64_t> Stats::snapshot() const {
+  auto ld = [](const auto& a) { return static_cast<int64_t>(a.load(std::memory_order_relaxed)); };
+  return {
+      {"ops_recorded", ld(ops_recorded)},
+      {"ops_eager", ld(ops_eager)},
+      {"views", ld(views)},
+      {"meta_cache_hits", ld(meta_cache_hits)},
+      {"meta_cache_misses", ld(meta_cache_misses)},
+      {"materializations", ld(materializations)},
+      {"nodes_executed", ld(nodes_executed)},
+      {"nodes_eliminated", ld(nodes_eliminated)},
+      {"peak_bytes", ld(peak_bytes)},
+      {"auto_flushes", ld(auto_flushes)},
+  };
+}
+
+void Stats::reset() {
+  ops_recorded = 0;
+  ops_eager = 0;
+  views = 0;
+  meta_cache_hits = 0;
+  meta_cache_misses = 0;
+  materializations = 0;
+  nodes_executed = 0;
+  nodes_eliminated = 0;
+  peak_bytes = 0;
+  auto_flushes = 0;
+}
+
+static Config* make_config() {
+  auto* c = new Config();
+  if (const char* d = std::getenv("LAZYMEM_DEBUG")) {
+    c->debug = std::string(d) != "0" && std::string(d) != "";
+  }
+  if (const char* n = std::getenv("LAZYMEM_FLUSH_NODES")) {
+    c->flush_threshold_nodes = std::strtoull(n, nullptr, 10);
+  }
+  if (const char* b = std::getenv("LAZYMEM_FLUSH_BYTES")) {
+    c->flush_threshold_bytes = static_cast<uint64_t>(parse_bytes(b));
+  }
+  if (const char* m = std::getenv("LAZYMEM_META_CACHE_SIZE")) {
+    c->meta_cache_capacity = std::strtoull(m, nullptr, 10);
+  }
+  return c;
+}
+
+Config& config() {
+  static Config* c = make_config();
+  return *c;
+}
+
+int64_t parse_bytes(const std::string& text) {
+  size_t i = 0;
+  while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
+  size_t start = i;
+  while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.')) ++i;
+  LAZYMEM_CHECK_VALUE(i > start, "cannot parse a byte size from '", text,
+                      "'; use a number of bytes or a string such as '256MiB' or '2GB'");
+  double value = std::strtod(text.substr(start, i - start).c_str(), nullptr);
+  while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
+  std::string unit;
+  for (; i < text.size(); ++i) {
+    if (!std::isspace(static_cast<unsigned char>(text[i]))) unit += static_cast<char>(std::tolower(text[i]));
+  }
+  double mult = 0;
+  if (unit.empty() || unit == "b") mult = 1;
+  else if (unit == "kb" || unit == "k") mult = 1e3;
+  else if (unit == "mb" || unit == "m") mult = 1e6;
+  else if (unit == "gb" || unit == "g") mult = 1e9;
+  else if (unit == "tb" || unit == "t") mult = 1e12;
+  else if (unit == "kib") mult = 1024.0;
+  else if (unit == "mib") mult = 1024.0 * 1024;
+  else if (unit == "gib") mult = 1024.0 * 1024 * 1024;
+  else if (unit == "tib") mult = 1024.0 * 1024 * 1024 * 1024;
+  LAZYMEM_CHECK_VALUE(mult > 0, "unknown byte unit '", unit, "' in '", text,
+                      "'; use B, KB, MB, GB, KiB, MiB or GiB");
+  double bytes = value * mult;
+  LAZYMEM_CHECK_VALUE(std::isfinite(bytes) && bytes >= 0 && bytes < 9.0e18, "byte size '", text,
+                      "' is out of range");
+  return static_cast<int64_t>(bytes);
+}
+
+std::string format_bytes(int64_t n) {
+  char buf[64];
+  double v = static_cast<double>(n);
+  if (n < 0) {
+    std::snprintf(buf, sizeof(buf), "unlimited");
+  } else if (v >= 1024.0 * 1024 * 1024) {
+    std::snprintf(buf, sizeof(buf), "%.2f GiB", v / (1024.0 * 1024 * 1024));
+  } else if (v >= 1024.0 * 1024) {
+    std::snprintf(buf, sizeof(buf), "%.2f MiB", v / (1024.0 * 1024));
+  } else if (v >= 1024.0) {
+    std::snprintf(buf, sizeof(buf), "%.2f KiB", v / 1024.0);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%lld bytes", static_cast<long long>(n));
+  }
+  return buf;
+}
+
+} // namespace lazymem

@@ -1,0 +1,46 @@
+// core: the process-wide knobs (one place) and the counters behind torch_lazymem.stats().
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include <c10/core/Device.h>
+
+namespace lazymem {
+
+// Counters. Relaxed atomics: they are statistics, not synchronization.
+struct Stats {
+  std::atomic<uint64_t> ops_recorded{0};     // nodes appended to the program
+  std::atomic<uint64_t> ops_eager{0};        // ops run eagerly (data-dependent / no meta kernel)
+  std::atomic<uint64_t> views{0};            // view ops served as metadata only
+  std::atomic<uint64_t> meta_cache_hits{0};
+  std::atomic<uint64_t> meta_cache_misses{0};
+  std::atomic<uint64_t> materializations{0}; // flushes that ran at least one node
+  std::atomic<uint64_t> nodes_executed{0};
+  std::atomic<uint64_t> nodes_eliminated{0};
+  std::atomic<int64_t> peak_bytes{0};        // peak device bytes during the last materialization
+  std::atomic<uint64_t> auto_flushes{0};
+  std::map<std::string, int64_t> snapshot() const;
+  void reset();
+};
+Stats& stats();
+
+struct Config {
+  // LAZYMEM_DEBUG=1: print each materialization's summary and capture where each op was recorded.
+  std::atomic<bool> debug{false};
+  // Auto-flush when this many nodes are pending (0 = never). LAZYMEM_FLUSH_NODES.
+  std::atomic<uint64_t> flush_threshold_nodes{0};
+  // Auto-flush when the pending program would allocate this many new bytes (0 = never).
+  std::atomic<uint64_t> flush_threshold_bytes{0};
+  // Meta-inference cache entries kept before the cache is cleared (LAZYMEM_META_CACHE_SIZE).
+  std::atomic<uint64_t> meta_cache_capacity{1u << 16};
+};
+Config& config();
+
+// Parses "256MiB", "1.5GB", "4096" into bytes; throws a lazymem: ValueError on bad input.
+int64_t parse_bytes(const std::string& text);
+std::string format_bytes(int64_t n);
+
+} // namespace lazymem

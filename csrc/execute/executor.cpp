@@ -1,0 +1,247 @@
+// execute: node replay, output adoption, poisoning and out-of-memory recovery.
+#include "execute/executor.h"
+
+#include <chrono>
+#include <cstdio>
+
+#include <ATen/Context.h>
+#include <ATen/core/stack.h>
+#include <c10/core/DeviceGuard.h>
+
+#include "core/check.h"
+#include "core/config.h"
+#include "core/runtime.h"
+#include "device/generator.h"
+#include "execute/real.h"
+#include "plan/schedule.h"
+
+namespace lazymem {
+namespace {
+
+c10::IValue copy_if_list(const c10::IValue& v) {
+  return v.isList() ? c10::IValue(v.toList().copy()) : v;
+}
+
+void place(torch::jit::Stack& stack, const Use& u, at::Tensor t) {
+  c10::IValue& slot = stack[u.arg];
+  if (u.elem < 0) {
+    slot = std::move(t);
+  } else {
+    slot.toList().set(u.elem, c10::IValue(std::move(t)));
+  }
+}
+
+const c10::IValue& ret_value(const torch::jit::Stack& stack, const Def& d, c10::IValue& scratch) {
+  const c10::IValue& r = stack[d.ret];
+  if (d.elem < 0) return r;
+  scratch = r.toList().get(d.elem);
+  return scratch;
+}
+
+bool full_overwrite(const Use& u) {
+  return u.write && u.write_only && u.ref.meta.covers(u.ref.buf->nbytes.load());
+}
+
+// Ops without a Generator argument draw from the backing device's default generator: lend it this
+// node's generator state for the duration of the kernel.
+class DefaultGeneratorLoan {
+ public:
+  explicit DefaultGeneratorLoan(at::Generator ours)
+      : ours_(std::move(ours)), def_(at::globalContext().defaultGenerator(backing_device())) {
+    std::scoped_lock lock(def_.mutex(), ours_.mutex());
+    saved_ = def_.clone();
+    def_.set_state(ours_.get_state());
+  }
+  ~DefaultGeneratorLoan() {
+    try {
+      std::scoped_lock lock(def_.mutex(), ours_.mutex());
+      ours_.set_state(def_.get_state());
+      def_.set_state(saved_.get_state());
+    } catch (...) {
+      // A failure to restore generator state cannot be reported from a destructor; the stream
+      // continues from wherever the kernel left the default generator.
+    }
+  }
+
+ private:
+  at::Generator ours_;
+  at::Generator def_;
+  at::Generator saved_;
+};
+
+void dispatch(Node& n, torch::jit::Stack& stack) {
+  c10::Device dev = backing_device();
+  ReplayScope scope;
+  std::optional<c10::DeviceGuard> device_guard;
+  if (!dev.is_cpu()) device_guard.emplace(dev);
+  const c10::DispatchKeySet ks(backing_key());
+  if (!n.random) {
+    n.op.redispatchBoxed(ks, &stack);
+    return;
+  }
+  auto* gen = static_cast<LazyGenerator*>(n.generator.get());
+  at::Generator ours = gen->backing();
+  if (n.generator_arg >= 0) {
+    stack[n.generator_arg] = c10::IValue(ours);
+    n.op.redispatchBoxed(ks, &stack);
+  } else {
+    DefaultGeneratorLoan loan(ours);
+    n.op.redispatchBoxed(ks, &stack);
+  }
+}
+
+void adopt_or_copy(const Def& d, const at::Tensor& r, std::vector<const c10::StorageImpl*>& taken) {
+  LazyBuffer& b = *d.ref.buf;
+  const TensorMeta& m = d.ref.meta;
+  LAZYMEM_INTERNAL_ASSERT(r.defined(), "kernel returned an undefined tensor where meta inference promised ",
+                          m.to_string());
+  const c10::StorageImpl* rs = r.has_storage() ? r.storage().unsafeGetStorageImpl() : nullptr;
+  bool adopt = rs && !b.has_real() && r.device() == backing_device() && r.scalar_type() == m.dtype &&
+      r.sizes().equals(m.sizes) && r.strides().equals(m.strides) && r.storage_offset() == m.offset &&
+      r.is_conj() == m.conj && r.is_neg() == m.neg && rs->nbytes() >= b.nbytes.load() &&
+      std::find(taken.begin(), taken.end(), rs) == taken.end();
+  if (adopt) {
+    b.set_real(r.storage());
+    taken.push_back(rs);
+    return;
+  }
+  // Meta and real strides can differ for ops without structured kernels: the recorded metadata is
+  // authoritative, so the values are copied into the layout every lazymem view expects.
+  ensure_real(b, m.extent_bytes());
+  ReplayScope scope;
+  real_view(b, m).copy_(r);
+}
+
+void run_node(Node& n) {
+  torch::jit::Stack stack;
+  stack.reserve(n.args.size());
+  for (const auto& a : n.args) stack.push_back(copy_if_list(a));
+  std::vector<const c10::StorageImpl*> taken;
+  for (const Use& u : n.uses) {
+    LazyBuffer& b = *u.ref.buf;
+    if (!full_overwrite(u)) {
+      LAZYMEM_INTERNAL_ASSERT(b.has_real() ? b.real_version == u.ref.version : u.ref.version == 0,
+                              n.describe(), " reads b", b.id, " version ", u.ref.version,
+                              " but the executor holds version ", b.real_version,
+                              b.has_real() ? "" : " (no data)");
+    }
+    ensure_real(b, u.ref.meta.extent_bytes());
+    taken.push_back(b.real.unsafeGetStorageImpl());
+    place(stack, u, real_view(u.ref));
+  }
+  for (int32_t d : n.device_args) {
+    if (!stack[d].isNone()) stack[d] = c10::IValue(backing_device());
+  }
+  dispatch(n, stack);
+  c10::IValue scratch;
+  for (const Def& d : n.defs) {
+    const c10::IValue& r = ret_value(stack, d, scratch);
+    adopt_or_copy(d, r.toTensor(), taken);
+    d.ref.buf->real_version = d.ref.version;
+  }
+  for (const Use& u : n.uses) {
+    if (!u.write) continue;
+    u.ref.buf->real_version = u.write_version;
+    if (full_overwrite(u)) u.ref.buf->poison = nullptr;
+  }
+}
+
+std::exception_ptr input_poison(const Node& n) {
+  for (const Use& u : n.uses) {
+    if (u.ref.buf->poison && !full_overwrite(u)) return u.ref.buf->poison;
+  }
+  return nullptr;
+}
+
+void poison_outputs(const Node& n, const std::exception_ptr& p) {
+  for (const Def& d : n.defs) d.ref.buf->poison = p;
+  for (const Use& u : n.uses) {
+    if (u.write) u.ref.buf->poison = p;
+  }
+}
+
+std::string failure_prefix(const Node& n) {
+  return "lazymem: " + n.describe() + " failed while materializing: ";
+}
+
+} // namespace
+
+std::exception_ptr annotate_node_error(const std::exception& e, const std::string& prefix) {
+  const c10::SourceLocation loc{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
+#define LAZYMEM_REWRAP(T)                                            \
+  if (auto* x = dynamic_cast<const T*>(&e)) {                        \
+    return std::make_exception_ptr(T(loc, prefix + x->msg()));       \
+  }
+  LAZYMEM_REWRAP(c10::OutOfMemoryError)
+  LAZYMEM_REWRAP(c10::IndexError)
+  LAZYMEM_REWRAP(c10::ValueError)
+  LAZYMEM_REWRAP(c10::TypeError)
+  LAZYMEM_REWRAP(c10::NotImplementedError)
+  LAZYMEM_REWRAP(c10::LinAlgError)
+  LAZYMEM_REWRAP(c10::Error)
+#undef LAZYMEM_REWRAP
+  return std::make_exception_ptr(std::runtime_error(prefix + e.what()));
+}
+
+void execute_segment(Segment& seg) {
+  std::vector<const Node*> nodes;
+  nodes.reserve(seg.nodes.size());
+  for (const auto& n : seg.nodes) nodes.push_back(n.get());
+  auto live_out = [&](const LazyBuffer& b) {
+    return b.storage_alive.load(std::memory_order_acquire) || seg.read_later.count(&b) > 0;
+  };
+  Schedule s = plan_segment(nodes, live_out);
+  if (config().debug) std::fprintf(stderr, "[lazymem] %s", s.to_string(nodes).c_str());
+
+  auto t0 = std::chrono::steady_clock::now();
+  device_counter().reset_window_peak();
+  std::exception_ptr first_error;
+  size_t executed = 0;
+  auto finish = [&] {
+    auto& st = stats();
+    if (executed) st.materializations.fetch_add(1, std::memory_order_relaxed);
+    st.nodes_executed.fetch_add(executed, std::memory_order_relaxed);
+    st.nodes_eliminated.fetch_add(s.eliminated, std::memory_order_relaxed);
+    int64_t peak = backing_device().is_cpu() ? device_counter().window_peak() : resident_bytes();
+    st.peak_bytes.store(peak, std::memory_order_relaxed);
+    if (config().debug) {
+      double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      std::fprintf(stderr, "[lazymem] materialized: %zu nodes run, %zu eliminated, peak %s, %.2f ms\n",
+                   executed, s.eliminated, format_bytes(peak).c_str(), ms);
+    }
+  };
+
+  for (size_t p = 0; p < s.run.size(); ++p) {
+    Node& n = *seg.nodes[s.run[p]];
+    if (std::exception_ptr poison = input_poison(n)) {
+      poison_outputs(n, poison);
+    } else {
+      try {
+        run_node(n);
+        ++executed;
+      } catch (const c10::OutOfMemoryError& e) {
+        std::vector<NodePtr> rest;
+        for (size_t q = p; q < s.run.size(); ++q) rest.push_back(std::move(seg.nodes[s.run[q]]));
+        size_t remaining = rest.size();
+        std::string prefix = "lazymem: out of memory while materializing " + n.describe() + ". Nothing was lost: " +
+            std::to_string(remaining) +
+            " recorded ops are still pending and run when memory is available (free tensors or raise the "
+            "capacity, then read the value again). ";
+        Program::get().restore_prefix(std::move(rest));
+        finish();
+        std::rethrow_exception(annotate_node_error(e, prefix));
+      } catch (const std::exception& e) {
+        auto ep = annotate_node_error(e, failure_prefix(n));
+        poison_outputs(n, ep);
+        if (!first_error) first_error = ep;
+      }
+    }
+    for (LazyBuffer* b : s.release[p]) b->drop_real();
+    seg.nodes[s.run[p]].reset(); // drop the node now: its CPU snapshots and buffer references go too
+  }
+  for (LazyBuffer* b : s.release_unused) b->drop_real();
+  finish();
+  if (first_error) std::rethrow_exception(first_error);
+}
+
+} // namespace lazymem

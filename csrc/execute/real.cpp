@@ -1,0 +1,67 @@
+// execute: real storage and views.
+#include "execute/real.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/DeviceGuard.h>
+
+#include "core/check.h"
+#include "core/runtime.h"
+
+namespace lazymem {
+namespace {
+
+constexpr c10::DispatchKeySet kExcludedDuringReplay =
+    c10::autograd_dispatch_keyset_with_ADInplaceOrView | c10::autocast_dispatch_keyset | c10::python_ks |
+    c10::DispatchKeySet({c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchDynamicLayerFrontMode,
+                         c10::DispatchKey::FuncTorchDynamicLayerBackMode, c10::DispatchKey::PreDispatch});
+
+MemoryCounter* counter_for_backing() {
+  return backing_device().is_cpu() ? &device_counter() : nullptr;
+}
+
+} // namespace
+
+ReplayScope::ReplayScope() : exclude_(kExcludedDuringReplay), counting_(counter_for_backing()) {}
+
+c10::Storage allocate_real(size_t nbytes) {
+  c10::Device dev = backing_device();
+  if (dev.is_cpu()) {
+    CountingScope scope(&device_counter());
+    return c10::Storage(c10::Storage::use_byte_size_t(), nbytes, c10::GetCPUAllocator(), /*resizable=*/true);
+  }
+  c10::DeviceGuard guard(dev);
+  return c10::Storage(c10::Storage::use_byte_size_t(), nbytes, c10::GetAllocator(dev.type()), /*resizable=*/true);
+}
+
+void ensure_real(LazyBuffer& b, size_t need) {
+  size_t want = std::max(b.nbytes.load(), need);
+  if (!b.has_real()) {
+    b.set_real(allocate_real(want));
+    return;
+  }
+  if (b.real.nbytes() >= need) return;
+  // Grown by resize_/set_ after it was materialized: copy the old bytes into the larger storage.
+  c10::Storage grown = allocate_real(want);
+  TensorMeta bytes;
+  bytes.dtype = c10::ScalarType::Byte;
+  bytes.sizes = {static_cast<int64_t>(b.real.nbytes())};
+  bytes.strides = {1};
+  at::Tensor old_view = real_view(b, bytes);
+  c10::Storage old = b.real;
+  b.set_real(grown);
+  {
+    ReplayScope scope;
+    real_view(b, bytes).copy_(old_view);
+  }
+}
+
+at::Tensor real_view(LazyBuffer& b, const TensorMeta& meta) {
+  LAZYMEM_INTERNAL_ASSERT(b.has_real(), "real_view of buffer b", b.id, " that has no real data");
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      c10::Storage(b.real), c10::DispatchKeySet(backing_key()), caffe2::TypeMeta::fromScalarType(meta.dtype));
+  meta.apply_to(*impl);
+  return at::Tensor(std::move(impl));
+}
+
+} // namespace lazymem

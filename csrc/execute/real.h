@@ -1,0 +1,37 @@
+// execute: real memory on the backing device. Real storages are allocated (and charged to the
+// lazymem device counter) only here and in kernels run under replay_scope(); real views are
+// TensorImpls over a buffer's real storage with a TensorRef's geometry.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include "execute/memory.h"
+#include "ir/node.h"
+
+namespace lazymem {
+
+// Everything a kernel run on behalf of lazymem needs: autograd, autocast, Python modes and
+// functorch excluded (the recorded ops are already below autograd), and CPU allocations charged to
+// the lazymem device counter.
+class ReplayScope {
+ public:
+  ReplayScope();
+
+ private:
+  c10::impl::ExcludeDispatchKeyGuard exclude_;
+  CountingScope counting_;
+};
+
+// Allocates `nbytes` of real storage on the backing device.
+c10::Storage allocate_real(size_t nbytes);
+// Makes sure `b` has real storage covering `need` bytes: allocates (uninitialized, as eager empty
+// does) if it has none, grows it keeping the old bytes if it is too small.
+void ensure_real(LazyBuffer& b, size_t need);
+// A backing-device tensor viewing `b`'s real storage with `meta`'s geometry (b must have real data).
+at::Tensor real_view(LazyBuffer& b, const TensorMeta& meta);
+inline at::Tensor real_view(const TensorRef& r) {
+  return real_view(*r.buf, r.meta);
+}
+
+} // namespace lazymem

@@ -1,0 +1,45 @@
+// ir: LazyBuffer bookkeeping.
+#include "ir/buffer.h"
+
+namespace lazymem {
+namespace {
+std::atomic<uint64_t> g_next_id{1};
+std::atomic<int64_t> g_with_real{0};
+std::atomic<int64_t> g_alive{0};
+std::atomic<int64_t> g_resident{0};
+} // namespace
+
+LazyBuffer::LazyBuffer(size_t n) : id(g_next_id.fetch_add(1, std::memory_order_relaxed)), nbytes(n) {
+  g_alive.fetch_add(1, std::memory_order_relaxed);
+}
+
+LazyBuffer::~LazyBuffer() {
+  drop_real();
+  g_alive.fetch_sub(1, std::memory_order_relaxed);
+}
+
+void LazyBuffer::set_real(c10::Storage s) {
+  if (!real && s) g_with_real.fetch_add(1, std::memory_order_relaxed);
+  if (real && !s) g_with_real.fetch_sub(1, std::memory_order_relaxed);
+  if (real) g_resident.fetch_sub(static_cast<int64_t>(real.nbytes()), std::memory_order_relaxed);
+  if (s) g_resident.fetch_add(static_cast<int64_t>(s.nbytes()), std::memory_order_relaxed);
+  real = std::move(s);
+}
+
+void LazyBuffer::drop_real() {
+  set_real(c10::Storage());
+}
+
+int64_t buffers_with_real_data() {
+  return g_with_real.load(std::memory_order_relaxed);
+}
+
+int64_t resident_bytes() {
+  return g_resident.load(std::memory_order_relaxed);
+}
+
+int64_t buffers_alive() {
+  return g_alive.load(std::memory_order_relaxed);
+}
+
+} // namespace lazymem

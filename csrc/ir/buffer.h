@@ -1,0 +1,53 @@
+// ir: LazyBuffer, the unit of storage in the recorded program. One per phantom StorageImpl; the
+// phantom DataPtr's context holds a reference. Views of a tensor share its buffer. Every write
+// (functional output, in-place op, write through a view) makes a new *version* (SSA over versions).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <exception>
+
+#include <c10/core/Storage.h>
+#include <c10/util/intrusive_ptr.h>
+
+namespace lazymem {
+
+struct LazyBuffer : c10::intrusive_ptr_target {
+  explicit LazyBuffer(size_t nbytes);
+  ~LazyBuffer() override;
+  LazyBuffer(const LazyBuffer&) = delete;
+  LazyBuffer& operator=(const LazyBuffer&) = delete;
+
+  const uint64_t id;
+  // Logical size of the phantom storage; grows with resize_ (never shrinks).
+  std::atomic<size_t> nbytes;
+  // Cleared by the phantom DataPtr deleter when no tensor or storage refers to the buffer any more.
+  // Once false it never becomes true again: nothing can name the buffer to read it.
+  std::atomic<bool> storage_alive{true};
+
+  // --- guarded by Program's mutex ---
+  uint32_t version = 0;          // latest recorded version; 0 = allocated, never written
+  uint64_t last_writer_seq = 0;  // seq of the latest node that writes this buffer (maybe executed)
+
+  // --- written only by the thread holding the flush mutex ---
+  c10::Storage real;             // data on the backing device, holding version real_version
+  uint32_t real_version = 0;
+  std::exception_ptr poison;     // set when the node that should have written it failed
+
+  bool has_real() const {
+    return static_cast<bool>(real);
+  }
+  void set_real(c10::Storage s);
+  void drop_real();
+};
+
+using BufferPtr = c10::intrusive_ptr<LazyBuffer>;
+
+// Number of buffers currently holding real data (for safe backing-device changes).
+int64_t buffers_with_real_data();
+// Bytes of real storage held by buffers (resident memory; the CUDA path reports this).
+int64_t resident_bytes();
+// Total LazyBuffers alive (leak checks in tests).
+int64_t buffers_alive();
+
+} // namespace lazymem

@@ -1,0 +1,119 @@
+// ir: TensorMeta geometry and Node printing.
+#include "ir/node.h"
+
+#include <algorithm>
+#include <sstream>
+
+namespace lazymem {
+
+TensorMeta TensorMeta::of(const c10::TensorImpl& t) {
+  TensorMeta m;
+  m.sizes.assign(t.sizes().begin(), t.sizes().end());
+  m.strides.assign(t.strides().begin(), t.strides().end());
+  m.offset = t.storage_offset();
+  m.dtype = t.dtype().toScalarType();
+  m.conj = t.is_conj();
+  m.neg = t.is_neg();
+  return m;
+}
+
+int64_t TensorMeta::numel() const {
+  int64_t n = 1;
+  for (int64_t s : sizes) n *= s;
+  return n;
+}
+
+size_t TensorMeta::extent_bytes() const {
+  int64_t n = numel();
+  if (n == 0) return 0;
+  int64_t last = offset;
+  for (size_t i = 0; i < sizes.size(); ++i) last += (sizes[i] - 1) * strides[i];
+  return static_cast<size_t>(last + 1) * c10::elementSize(dtype);
+}
+
+bool TensorMeta::covers(size_t nbytes) const {
+  if (offset != 0) return false;
+  int64_t n = numel();
+  if (static_cast<size_t>(n) * c10::elementSize(dtype) != nbytes) return false;
+  // Dense and non-overlapping: some permutation of the dims has contiguous strides.
+  c10::SmallVector<int64_t, 5> order;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] != 1) order.push_back(static_cast<int64_t>(i));
+  }
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return strides[a] < strides[b]; });
+  int64_t expected = 1;
+  for (int64_t d : order) {
+    if (strides[d] != expected) return false;
+    expected *= sizes[d];
+  }
+  return true;
+}
+
+void TensorMeta::apply_to(c10::TensorImpl& t) const {
+  t.set_sizes_and_strides(sizes, strides, offset);
+  if (conj) t._set_conj(true);
+  if (neg) t._set_neg(true);
+}
+
+std::string TensorMeta::to_string() const {
+  std::ostringstream os;
+  os << c10::toString(dtype) << "[";
+  for (size_t i = 0; i < sizes.size(); ++i) os << (i ? "," : "") << sizes[i];
+  os << "]";
+  bool contiguous = true;
+  int64_t expected = 1;
+  for (size_t i = sizes.size(); i-- > 0;) {
+    if (sizes[i] != 1 && strides[i] != expected) contiguous = false;
+    expected *= sizes[i];
+  }
+  if (!contiguous) {
+    os << "{";
+    for (size_t i = 0; i < strides.size(); ++i) os << (i ? "," : "") << strides[i];
+    os << "}";
+  }
+  if (offset) os << "+" << offset;
+  return os.str();
+}
+
+std::string Node::describe() const {
+  std::ostringstream os;
+  const auto& name = op.operator_name();
+  os << name.name;
+  if (!name.overload_name.empty()) os << "." << name.overload_name;
+  os << " (op #" << seq << " of the recorded program";
+  if (!site.empty()) {
+    os << ", recorded at " << site;
+  } else {
+    os << "; set LAZYMEM_DEBUG=1 to see where it was recorded";
+  }
+  os << ")";
+  return os.str();
+}
+
+std::string Node::to_string() const {
+  std::ostringstream os;
+  os << "#" << seq << " ";
+  for (size_t i = 0; i < defs.size(); ++i) {
+    os << (i ? ", " : "") << "b" << defs[i].ref.buf->id << "v" << defs[i].ref.version;
+  }
+  bool any_write = false;
+  for (const auto& u : uses) {
+    if (u.write) {
+      os << (defs.empty() && !any_write ? "" : ", ") << "b" << u.ref.buf->id << "v" << u.write_version;
+      any_write = true;
+    }
+  }
+  os << " = " << op.operator_name().name;
+  if (!op.operator_name().overload_name.empty()) os << "." << op.operator_name().overload_name;
+  os << "(";
+  for (size_t i = 0; i < uses.size(); ++i) {
+    const auto& u = uses[i];
+    os << (i ? ", " : "") << "b" << u.ref.buf->id << "v" << u.ref.version << ":" << u.ref.meta.to_string();
+  }
+  os << ")";
+  if (random) os << " [random]";
+  if (effectful) os << " [effect]";
+  return os.str();
+}
+
+} // namespace lazymem

@@ -1,0 +1,89 @@
+// ir: the recorded program's vocabulary. A Node is one ATen op call with its boxed arguments; every
+// lazymem tensor argument is replaced by a TensorRef (buffer + view metadata + version read), and
+// every functional output names a fresh buffer. Nodes hold buffers, never tensors, so a tensor the
+// user drops makes its buffer dead even while nodes still mention it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/ivalue.h>
+#include <c10/core/GeneratorImpl.h>
+#include <c10/core/TensorImpl.h>
+#include <c10/util/SmallVector.h>
+
+#include "ir/buffer.h"
+
+namespace lazymem {
+
+// View metadata of a tensor over its buffer.
+struct TensorMeta {
+  c10::SmallVector<int64_t, 5> sizes;
+  c10::SmallVector<int64_t, 5> strides;
+  int64_t offset = 0;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  bool conj = false;
+  bool neg = false;
+
+  static TensorMeta of(const c10::TensorImpl& t);
+  int64_t numel() const;
+  // Bytes from the start of the storage needed to hold every element of the view.
+  size_t extent_bytes() const;
+  // True if the view is dense, non-overlapping and covers exactly `nbytes` from offset 0.
+  bool covers(size_t nbytes) const;
+  // Writes sizes/strides/offset/conj/neg onto `t` (dtype must already match).
+  void apply_to(c10::TensorImpl& t) const;
+  std::string to_string() const;
+};
+
+struct TensorRef {
+  BufferPtr buf;
+  TensorMeta meta;
+  uint32_t version = 0; // the buffer version this reference reads (assigned at append)
+};
+
+// A lazymem tensor argument: stack position `arg` (and list position `elem`, or -1).
+struct Use {
+  int32_t arg = -1;
+  int32_t elem = -1;
+  TensorRef ref;
+  bool write = false;          // the op writes through this argument (in-place / out=)
+  bool write_only = false;     // ...and does not read its previous contents (out=, fill_, copy_ dst)
+  uint32_t write_version = 0;  // version produced by the write (assigned at append)
+};
+
+// A functional output: return position `ret` (and list position `elem`, or -1), a fresh buffer.
+struct Def {
+  int32_t ret = -1;
+  int32_t elem = -1;
+  TensorRef ref;
+};
+
+struct Node {
+  explicit Node(c10::OperatorHandle o) : op(std::move(o)) {}
+
+  uint64_t seq = 0;             // program order; assigned at append, contiguous among pending nodes
+  c10::OperatorHandle op;       // the op replayed on the backing device
+  std::vector<c10::IValue> args;// boxed arguments; lazymem tensor slots hold None until replay
+  std::vector<Use> uses;
+  std::vector<Def> defs;
+  c10::SmallVector<int32_t, 1> device_args; // Device arguments rewritten to the backing device
+  int32_t generator_arg = -1;   // Generator? argument position, if the schema has one
+  c10::intrusive_ptr<c10::GeneratorImpl> generator; // lazymem generator of a random node
+  bool random = false;          // consumes a generator: never eliminated, replayed in order
+  bool effectful = false;       // no outputs but a side effect (asserts): never eliminated
+  std::string site;             // where it was recorded (debug mode), for error messages
+
+  const char* name() const {
+    return op.operator_name().name.c_str();
+  }
+  std::string describe() const; // "aten::add.Tensor (op #12)" plus the recording site if known
+  std::string to_string() const;
+};
+
+using NodePtr = std::unique_ptr<Node>;
+
+} // namespace lazymem

@@ -1,0 +1,135 @@
+// ir: the pending program.
+#include "ir/program.h"
+
+#include <sstream>
+#include <unordered_map>
+
+#include "core/check.h"
+
+namespace lazymem {
+
+Program& Program::get() {
+  static Program* p = new Program(); // leaked: nodes may still be dropped during interpreter exit
+  return *p;
+}
+
+static uint64_t def_bytes(const Node& n) {
+  uint64_t b = 0;
+  for (const auto& d : n.defs) b += d.ref.buf->nbytes.load(std::memory_order_relaxed);
+  return b;
+}
+
+uint64_t Program::append(NodePtr node) {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t seq = next_seq_++;
+  node->seq = seq;
+  // Reads first, so an argument that is both read and written (add_(x, x)) reads the old version.
+  for (auto& u : node->uses) u.ref.version = u.ref.buf->version;
+  for (auto& u : node->uses) {
+    if (!u.write) continue;
+    u.write_version = ++u.ref.buf->version;
+    u.ref.buf->last_writer_seq = seq;
+  }
+  for (auto& d : node->defs) {
+    LAZYMEM_INTERNAL_ASSERT(d.ref.buf->version == 0, "def of a buffer that was already written");
+    d.ref.buf->version = 1;
+    d.ref.version = 1;
+    d.ref.buf->last_writer_seq = seq;
+  }
+  pending_bytes_ += def_bytes(*node);
+  pending_.push_back(std::move(node));
+  return seq;
+}
+
+uint32_t Program::note_external_write(LazyBuffer& b) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ++b.version;
+}
+
+uint64_t Program::pending_writer(const LazyBuffer& b) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (pending_.empty() || b.last_writer_seq < pending_.front()->seq) return 0;
+  return b.last_writer_seq;
+}
+
+uint64_t Program::last_seq() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pending_.empty() ? 0 : pending_.back()->seq;
+}
+
+size_t Program::pending_count() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pending_.size();
+}
+
+uint64_t Program::pending_def_bytes() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pending_bytes_;
+}
+
+Segment Program::take_prefix(uint64_t upto) {
+  Segment seg;
+  std::lock_guard<std::mutex> lock(mu_);
+  while (!pending_.empty() && pending_.front()->seq <= upto) {
+    pending_bytes_ -= def_bytes(*pending_.front());
+    seg.nodes.push_back(std::move(pending_.front()));
+    pending_.pop_front();
+  }
+  if (seg.nodes.empty()) return seg;
+  for (const auto& n : pending_) {
+    for (const auto& u : n->uses) {
+      // A pending full overwrite does not need the old value; anything else does.
+      if (!(u.write_only && u.ref.meta.covers(u.ref.buf->nbytes.load()))) {
+        seg.read_later.insert(u.ref.buf.get());
+      }
+    }
+  }
+  return seg;
+}
+
+void Program::restore_prefix(std::vector<NodePtr> nodes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = nodes.rbegin(); it != nodes.rend(); ++it) {
+    LAZYMEM_INTERNAL_ASSERT(pending_.empty() || (*it)->seq < pending_.front()->seq,
+                            "restored nodes must precede the pending program");
+    pending_bytes_ += def_bytes(**it);
+    pending_.push_front(std::move(*it));
+  }
+}
+
+void Program::verify() {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Every pending node's uses read versions no newer than the buffer's latest, writes are increasing
+  // per buffer in program order, and seqs are strictly increasing.
+  std::unordered_map<const LazyBuffer*, uint32_t> last_written;
+  uint64_t prev = 0;
+  for (const auto& n : pending_) {
+    LAZYMEM_INTERNAL_ASSERT(n->seq > prev, "pending seqs not increasing at #", n->seq);
+    prev = n->seq;
+    for (const auto& u : n->uses) {
+      LAZYMEM_INTERNAL_ASSERT(u.ref.version <= u.ref.buf->version, "use reads a future version in #", n->seq);
+      if (u.write) {
+        auto& lw = last_written[u.ref.buf.get()];
+        LAZYMEM_INTERNAL_ASSERT(u.write_version > lw, "write versions not increasing in #", n->seq);
+        lw = u.write_version;
+      }
+    }
+  }
+}
+
+std::string Program::to_string(size_t max_nodes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::ostringstream os;
+  os << "Program: " << pending_.size() << " pending nodes\n";
+  size_t i = 0;
+  for (const auto& n : pending_) {
+    if (i++ == max_nodes) {
+      os << "  ...\n";
+      break;
+    }
+    os << "  " << n->to_string() << "\n";
+  }
+  return os.str();
+}
+
+} // namespace lazymem

@@ -1,0 +1,58 @@
+// ir: the pending program, a program-ordered list of nodes shared by every recording thread.
+// append() assigns each node its seq and the buffer versions it reads and writes; a sync point
+// detaches a prefix (take_prefix) for the planner and executor. Only the prefix's nodes leave the
+// program, so nodes recorded meanwhile by other threads stay pending in order.
+#pragma once
+
+#include <deque>
+#include <mutex>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "ir/node.h"
+
+namespace lazymem {
+
+struct Segment {
+  std::vector<NodePtr> nodes;
+  // Buffers read by nodes that stayed pending after the cut: their values must survive the segment.
+  std::unordered_set<const LazyBuffer*> read_later;
+};
+
+class Program {
+ public:
+  static Program& get();
+
+  // Appends a node: assigns seq, the versions its uses read, the versions its writes create and
+  // version 1 of every def. Returns the seq. Thread-safe.
+  uint64_t append(NodePtr node);
+  // Records a write done outside the program (eager path, already applied to real data) and
+  // returns the new version. The caller must have flushed every pending reader and writer.
+  uint32_t note_external_write(LazyBuffer& b);
+
+  // Seq of the pending node that last writes `b`, or 0 when no pending node writes it.
+  uint64_t pending_writer(const LazyBuffer& b);
+  uint64_t last_seq();
+  size_t pending_count();
+  // Bytes of fresh buffers the pending program defines (auto-flush threshold).
+  uint64_t pending_def_bytes();
+
+  // Detaches pending nodes with seq <= upto (all of them if upto is past the end).
+  Segment take_prefix(uint64_t upto);
+  // Puts back nodes of a detached prefix that did not run (e.g. after an out-of-memory error), in
+  // front of everything recorded since. They must be a suffix of the detached prefix, in order.
+  void restore_prefix(std::vector<NodePtr> nodes);
+
+  // Checks the program's invariants (contiguous seqs, versions consistent); throws if violated.
+  void verify();
+  std::string to_string(size_t max_nodes = 200);
+
+ private:
+  std::mutex mu_;
+  std::deque<NodePtr> pending_;
+  uint64_t next_seq_ = 1;
+  uint64_t pending_bytes_ = 0;
+};
+
+} // namespace lazymem

@@ -1,0 +1,38 @@
+// ops: what the recorder needs to know about an op beyond its schema, computed once per op.
+// Tags and schema give most of it; the small tables in op_rules.cpp give the rest (ops that must
+// run eagerly, in-place ops that overwrite without reading, ops that are no-ops on lazymem).
+// The batch-splitting placement rules will join this registry, one file per op family.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+namespace lazymem {
+
+struct OpRules {
+  // Output shape or result depends on data (nonzero, unique, item): flush and run for real.
+  bool eager = false;
+  // Eager only when an index in a Tensor?[] argument is a bool/byte mask (boolean indexing).
+  bool eager_if_mask_index = false;
+  // Nothing to do on lazymem (record_stream): returns without recording.
+  bool noop = false;
+  // Consumes a random generator.
+  bool random = false;
+  // In-place op whose written argument's previous contents are not read (fill_, copy_, normal_).
+  bool overwrites_self = false;
+  // No tensor returns and no mutable arguments: kept for its side effect (asserts).
+  bool effect_only = false;
+  int32_t generator_arg = -1;
+  std::vector<int32_t> device_args;
+  // For each argument: 0 = not written, 1 = written (in-place), 2 = written out= argument.
+  std::vector<uint8_t> writes;
+  bool any_write = false;
+  bool has_tensor_list_return = false;
+};
+
+// Rules for `op`; cached, thread-safe.
+const OpRules& op_rules(const c10::OperatorHandle& op);
+
+} // namespace lazymem

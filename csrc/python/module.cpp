@@ -1,0 +1,184 @@
+// python: bindings only. The torch_lazymem._C module exposes the device-module primitives, memory
+// accounting, configuration and introspection; everything else is registered with the dispatcher
+// by the core library when it loads.
+#include <Python.h>
+#include <frameobject.h>
+
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/Generator.h>
+#include <torch/extension.h>
+
+#include <ATen/Context.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include "core/check.h"
+#include "core/config.h"
+#include "core/runtime.h"
+#include "device/generator.h"
+#include "device/phantom.h"
+#include "execute/memory.h"
+#include "ir/program.h"
+#include "record/meta.h"
+
+namespace py = pybind11;
+using namespace lazymem;
+
+namespace {
+
+bool is_internal(const std::string& file) {
+  return file.find("/torch/") != std::string::npos || file.find("/torch_lazymem/") != std::string::npos ||
+      file.find("<frozen") != std::string::npos;
+}
+
+// Innermost Python frame outside torch and torch_lazymem: "file:line in function".
+std::string python_site() {
+  if (!Py_IsInitialized()) return "";
+  py::gil_scoped_acquire gil;
+  PyFrameObject* frame = PyEval_GetFrame();
+  Py_XINCREF(frame);
+  std::string site;
+  while (frame) {
+    PyCodeObject* code = PyFrame_GetCode(frame);
+    std::string file = py::str(code->co_filename);
+    if (!is_internal(file)) {
+      site = file + ":" + std::to_string(PyFrame_GetLineNumber(frame)) + " in " +
+          std::string(py::str(code->co_name));
+      Py_DECREF(code);
+      break;
+    }
+    Py_DECREF(code);
+    PyFrameObject* back = PyFrame_GetBack(frame);
+    Py_DECREF(frame);
+    frame = back;
+  }
+  Py_XDECREF(frame);
+  return site.empty() ? "an internal frame (no user frame on the Python stack)" : site;
+}
+
+bool backing_is_cpu() {
+  return backing_device().is_cpu();
+}
+
+int64_t memory_allocated() {
+  return backing_is_cpu() ? device_counter().allocated() : resident_bytes();
+}
+
+void synchronize() {
+  {
+    py::gil_scoped_release no_gil;
+    flush_all();
+  }
+  c10::Device d = backing_device();
+  if (!d.is_cpu()) c10::impl::VirtualGuardImpl(d.type()).synchronizeDevice(d.index());
+}
+
+void set_backing_device(const std::string& name) {
+  c10::Device d(name);
+  LAZYMEM_CHECK_VALUE(d.is_cpu() || d.is_cuda(), "the backing device must be 'cpu' or 'cuda[:N]', got '", name, "'");
+  if (d.is_cuda()) {
+    LAZYMEM_CHECK(at::globalContext().hasCUDA(), "set_backing_device('", name,
+                  "'): CUDA is not available in this PyTorch build or on this machine");
+    if (!d.has_index()) d = c10::Device(c10::kCUDA, 0);
+  } else {
+    d = c10::Device(c10::kCPU, 0);
+  }
+  c10::Device cur = backing_device();
+  if (d != cur) {
+    int64_t n = buffers_with_real_data();
+    LAZYMEM_CHECK(n == 0, "cannot change the backing device from ", cur, " to ", d, " while ", n,
+                  " lazymem buffers hold data on ", cur,
+                  "; choose the backing device before creating lazymem tensors, or drop them (move what you "
+                  "need to the CPU with .cpu()) and try again");
+  }
+  set_backing_device_unchecked(d);
+}
+
+std::string backing_device_name() {
+  c10::Device d = backing_device();
+  return d.is_cpu() ? std::string("cpu") : d.str();
+}
+
+py::dict buffer_info(const at::Tensor& t) {
+  LazyBuffer* b = buffer_of(t);
+  LAZYMEM_CHECK(b != nullptr, "buffer_info expects a lazymem tensor, got a tensor on ", t.device());
+  py::dict d;
+  d["id"] = b->id;
+  d["nbytes"] = b->nbytes.load();
+  d["version"] = b->version;
+  d["real_version"] = b->real_version;
+  d["has_real"] = b->has_real();
+  d["poisoned"] = static_cast<bool>(b->poison);
+  d["pending_writer"] = Program::get().pending_writer(*b);
+  return d;
+}
+
+template <typename F>
+auto wrap(F&& f) {
+  return torch::wrap_pybind_function(std::forward<F>(f));
+}
+
+} // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "torch_lazymem native bindings";
+  flush_hooks().recording_site = python_site;
+
+  m.def("_device_count", [] { return 1; });
+  m.def("_synchronize", wrap(synchronize));
+  m.def("_default_generator", [](int64_t index) {
+    return py::reinterpret_steal<py::object>(
+        THPGenerator_initDefaultGenerator(default_lazy_generator(static_cast<c10::DeviceIndex>(index))));
+  });
+
+  m.def("_memory_allocated", memory_allocated);
+  m.def("_max_memory_allocated", [] { return backing_is_cpu() ? device_counter().peak() : resident_bytes(); });
+  m.def("_reset_peak_memory_stats", [] { device_counter().reset_peak(); });
+  m.def("_device_capacity", [] { return device_counter().capacity(); });
+  m.def("_set_device_capacity", [](int64_t bytes) {
+    if (bytes >= 0) {
+      LAZYMEM_CHECK(install_counting_cpu_allocator(), "the simulated device needs lazymem's counting CPU allocator, ",
+                    "but another CPU allocator with a higher priority is installed");
+    }
+    device_counter().set_capacity(bytes);
+  });
+  m.def("_counting_active", counting_cpu_allocator_active);
+  m.def("_eager_cap_push", [](int64_t bytes) {
+    LAZYMEM_CHECK(install_counting_cpu_allocator(), "memory_cap needs lazymem's counting CPU allocator, but ",
+                  "another CPU allocator with a higher priority is installed");
+    eager_counter().set_capacity(bytes);
+    eager_counter().reset_peak();
+    push_counting_scope(&eager_counter());
+  });
+  m.def("_eager_cap_pop", [] {
+    pop_counting_scope();
+    eager_counter().set_capacity(-1);
+  });
+  m.def("_eager_allocated", [] { return eager_counter().allocated(); });
+  m.def("_eager_peak", [] { return eager_counter().peak(); });
+  m.def("_parse_bytes", wrap([](const std::string& s) { return parse_bytes(s); }));
+  m.def("_format_bytes", [](int64_t n) { return format_bytes(n); });
+
+  m.def("_set_backing_device", wrap(set_backing_device));
+  m.def("_backing_device", backing_device_name);
+
+  m.def("_stats", [] { return stats().snapshot(); });
+  m.def("_reset_stats", [] { stats().reset(); });
+  m.def("_set_debug", [](bool on) { config().debug = on; });
+  m.def("_debug", [] { return config().debug.load(); });
+  m.def("_set_flush_threshold", [](uint64_t nodes, uint64_t bytes) {
+    config().flush_threshold_nodes = nodes;
+    config().flush_threshold_bytes = bytes;
+  });
+  m.def("_flush_threshold", [] {
+    return std::make_pair(config().flush_threshold_nodes.load(), config().flush_threshold_bytes.load());
+  });
+
+  m.def("_pending_nodes", [] { return Program::get().pending_count(); });
+  m.def("_program_str", [](size_t max_nodes) { return Program::get().to_string(max_nodes); }, py::arg("max_nodes") = 200);
+  m.def("_verify", wrap([] { Program::get().verify(); }));
+  m.def("_buffers_alive", buffers_alive);
+  m.def("_buffers_with_real_data", buffers_with_real_data);
+  m.def("_buffer_info", wrap(buffer_info));
+  m.def("_meta_cache_size", meta_cache_size);
+  m.def("_clear_meta_cache", clear_meta_cache);
+}

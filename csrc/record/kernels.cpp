@@ -1,0 +1,256 @@
+// record: kernels registered directly on PrivateUse1 — the ops with per-backend kernels that no
+// composite reaches (factories, metadata-only views, resize_/set_, copies and scalar reads), the
+// convolution ops whose composite throws for non-CPU/CUDA devices, and the dispatcher registrations
+// (boxed fallback, autograd and autocast fallbacks).
+#include <ATen/EmptyTensor.h>
+#include <ATen/native/transformers/attention.h>
+#include <ATen/SDPBackend.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/unfold_native.h>
+#include <ATen/ops/view_as_complex_native.h>
+#include <ATen/ops/view_as_real_native.h>
+#include <ATen/ops/view_native.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/library.h>
+
+#include "core/check.h"
+#include "core/runtime.h"
+#include "device/phantom.h"
+#include "execute/materialize.h"
+#include "execute/real.h"
+#include "record/recorder.h"
+
+namespace lazymem {
+namespace {
+
+constexpr c10::DispatchKeySet kBelowAutograd =
+    c10::autograd_dispatch_keyset_with_ADInplaceOrView | c10::autocast_dispatch_keyset | c10::python_ks;
+
+void check_device(std::optional<c10::Device> d, const char* op) {
+  if (d && d->has_index()) {
+    LAZYMEM_CHECK(d->index() == 0, op, ": device index ", static_cast<int>(d->index()),
+                  " is out of range; lazymem has a single device, lazymem:0");
+  }
+}
+
+void check_layout(std::optional<c10::Layout> layout, const char* op) {
+  LAZYMEM_CHECK_NOT_IMPLEMENTED(!layout || *layout == c10::kStrided, op, ": only strided tensors are supported on ",
+                                "lazymem, got layout ", *layout);
+}
+
+at::Tensor lazy_empty(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype, std::optional<c10::Layout> layout,
+                      std::optional<c10::Device> device, std::optional<bool>, std::optional<c10::MemoryFormat> mf) {
+  check_device(device, "empty");
+  check_layout(layout, "empty");
+  const c10::DispatchKeySet ks(c10::DispatchKey::PrivateUse1);
+  return at::detail::empty_generic(size, phantom_allocator(), ks, c10::dtype_or_default(dtype), mf);
+}
+
+at::Tensor lazy_empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::optional<c10::ScalarType> dtype,
+                              std::optional<c10::Layout> layout, std::optional<c10::Device> device, std::optional<bool>) {
+  check_device(device, "empty_strided");
+  check_layout(layout, "empty_strided");
+  const c10::DispatchKeySet ks(c10::DispatchKey::PrivateUse1);
+  return at::detail::empty_strided_generic(size, stride, phantom_allocator(), ks, c10::dtype_or_default(dtype));
+}
+
+size_t needed_bytes(const at::Tensor& t) {
+  return at::detail::computeStorageNbytes(t.sizes(), t.strides(), t.dtype().itemsize(), t.storage_offset());
+}
+
+// resize_ on phantom storage: geometry only; growth extends the buffer (the executor keeps the old
+// bytes when it next touches real data). ATen's resize_ would swap in a new DataPtr and lose the buffer.
+const at::Tensor& lazy_resize_(const at::Tensor& self, c10::IntArrayRef size, std::optional<c10::MemoryFormat> mf) {
+  for (int64_t s : size) LAZYMEM_CHECK(s >= 0, "resize_: negative size ", s, " in ", size);
+  auto* impl = self.unsafeGetTensorImpl();
+  impl->set_sizes_contiguous(size);
+  if (mf) {
+    LAZYMEM_CHECK(*mf != c10::MemoryFormat::Preserve, "resize_: unsupported memory format Preserve");
+    impl->empty_tensor_restride(*mf);
+  }
+  grow_phantom(*self.storage().unsafeGetStorageImpl(), needed_bytes(self));
+  return self;
+}
+
+c10::StorageImpl* lazy_storage(const c10::Storage& s, const char* op) {
+  auto* impl = s.unsafeGetStorageImpl();
+  LAZYMEM_CHECK(impl && buffer_of(*impl) != nullptr, op, ": the source storage is on ",
+                impl ? impl->device() : c10::Device(c10::kCPU),
+                ", not lazymem; copy the data with .to('lazymem') instead of aliasing it");
+  return impl;
+}
+
+at::Tensor& set_geometry(at::Tensor& self, c10::Storage source, int64_t offset, c10::IntArrayRef size,
+                         c10::IntArrayRef stride) {
+  lazy_storage(source, "set_");
+  LAZYMEM_CHECK(offset >= 0, "set_: storage offset must be non-negative, got ", offset);
+  LAZYMEM_CHECK(stride.empty() || stride.size() == size.size(), "set_: got ", size.size(), " sizes and ",
+                stride.size(), " strides");
+  auto* impl = self.unsafeGetTensorImpl();
+  if (!impl->storage().is_alias_of(source)) impl->set_storage_keep_dtype(source);
+  if (stride.empty()) {
+    impl->set_sizes_contiguous(size);
+    impl->set_storage_offset(offset);
+  } else {
+    impl->set_sizes_and_strides(size, stride, offset);
+  }
+  grow_phantom(*source.unsafeGetStorageImpl(), needed_bytes(self));
+  return self;
+}
+
+at::Tensor& lazy_set_storage_offset(at::Tensor& self, c10::Storage source, int64_t offset, c10::IntArrayRef size,
+                                    c10::IntArrayRef stride) {
+  return set_geometry(self, std::move(source), offset, size, stride);
+}
+
+at::Tensor& lazy_set_storage(at::Tensor& self, c10::Storage source) {
+  lazy_storage(source, "set_");
+  int64_t n = static_cast<int64_t>(source.nbytes() / self.dtype().itemsize());
+  return set_geometry(self, std::move(source), 0, {n}, {});
+}
+
+at::Tensor& lazy_set_tensor(at::Tensor& self, const at::Tensor& src) {
+  LAZYMEM_CHECK(is_lazy(src), "set_: the source tensor is on ", src.device(), ", not lazymem");
+  LAZYMEM_CHECK(self.dtype() == src.dtype(), "set_: could not set tensor of type ", self.dtype(),
+                " to a tensor of type ", src.dtype());
+  return set_geometry(self, src.storage(), src.storage_offset(), src.sizes(), src.strides());
+}
+
+at::Tensor& lazy_set_empty(at::Tensor& self) {
+  auto* impl = self.unsafeGetTensorImpl();
+  impl->set_storage_keep_dtype(c10::Storage(make_phantom_storage(0)));
+  impl->set_sizes_contiguous({0});
+  return self;
+}
+
+void record_copy(const at::Tensor& dst, const at::Tensor& src, bool non_blocking) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("aten::copy_", "");
+  torch::jit::Stack stack{dst, src, non_blocking};
+  record_call(op, &stack, /*allow_constants=*/true);
+}
+
+// Reads a lazymem tensor into a tensor on another device (the download of every sync point).
+void read_into(const at::Tensor& lazy, const at::Tensor& dst, bool non_blocking) {
+  LazyBuffer* b = buffer_of(lazy);
+  materialize({b});
+  auto lock = lock_flush();
+  TensorMeta meta = TensorMeta::of(*lazy.unsafeGetTensorImpl());
+  ensure_real(*b, meta.extent_bytes());
+  c10::impl::ExcludeDispatchKeyGuard guard(kBelowAutograd);
+  dst.copy_(real_view(*b, meta), non_blocking);
+}
+
+at::Tensor lazy_copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  if (is_lazy(dst)) {
+    // lazymem <- lazymem is an ordinary recorded copy_; lazymem <- host snapshots the source.
+    record_copy(dst, self, non_blocking);
+  } else {
+    read_into(self, dst, non_blocking);
+  }
+  return dst;
+}
+
+at::Tensor lazy_copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  if (is_lazy(dst)) {
+    lazy_resize_(dst, self.sizes(), std::nullopt);
+  } else {
+    c10::impl::ExcludeDispatchKeyGuard guard(kBelowAutograd);
+    dst.resize_(self.sizes());
+  }
+  return lazy_copy_from(self, dst, false);
+}
+
+c10::Scalar lazy_local_scalar_dense(const at::Tensor& self) {
+  LazyBuffer* b = buffer_of(self);
+  materialize({b});
+  auto lock = lock_flush();
+  TensorMeta meta = TensorMeta::of(*self.unsafeGetTensorImpl());
+  ensure_real(*b, meta.extent_bytes());
+  ReplayScope scope;
+  return real_view(*b, meta).item();
+}
+
+// convolution_overrideable has convolution's schema: record the real op so replay runs the backing
+// device's own convolution.
+void conv_overrideable(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("aten::convolution", "");
+  record_call(op, stack);
+}
+
+// convolution_backward_overrideable lacks convolution_backward's bias_sizes argument: insert it.
+void conv_backward_overrideable(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("aten::convolution_backward", "");
+  const size_t n = 10; // grad_output, input, weight, stride, padding, dilation, transposed, output_padding, groups, mask
+  const size_t first = stack->size() - n;
+  const at::Tensor& weight = (*stack)[first + 2].toTensor();
+  bool transposed = (*stack)[first + 6].toBool();
+  int64_t groups = (*stack)[first + 8].toInt();
+  int64_t out_channels = transposed ? weight.size(1) * groups : weight.size(0);
+  stack->insert(stack->begin() + static_cast<std::ptrdiff_t>(first + 3), c10::IValue(std::vector<int64_t>{out_channels}));
+  record_call(op, stack);
+}
+
+// Scaled-dot-product attention picks its kernel by device type above the backend; pick what the
+// backing device would pick, so lazymem on the CPU decomposes exactly as eager CPU does.
+int64_t lazy_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const std::optional<at::Tensor>& mask, double dropout, bool is_causal,
+                        std::optional<double> scale, bool enable_gqa) {
+  if (!backing_device().is_cpu()) return static_cast<int64_t>(at::SDPBackend::math);
+  // The CPU kernel of aten::_fused_sdp_choice reads metadata only (dtypes, shapes, strides, flags).
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("aten::_fused_sdp_choice", "")
+          .typed<int64_t(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                         double, bool, std::optional<double>, bool)>();
+  return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), q, k, v, mask, dropout, is_causal, scale,
+                       enable_gqa);
+}
+
+} // namespace
+} // namespace lazymem
+
+namespace at::native {
+REGISTER_PRIVATEUSE1_DISPATCH(_fused_sdp_choice_stub, &lazymem::lazy_sdp_choice)
+} // namespace at::native
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  using namespace lazymem;
+  m.impl("empty.memory_format", TORCH_FN(lazy_empty));
+  m.impl("empty_strided", TORCH_FN(lazy_empty_strided));
+  m.impl("as_strided", TORCH_FN(at::native::as_strided_tensorimpl));
+  m.impl("view", TORCH_FN(at::native::view));
+  m.impl("_reshape_alias", TORCH_FN(at::native::_reshape_alias));
+  m.impl("unfold", TORCH_FN(at::native::unfold));
+  m.impl("view_as_real", TORCH_FN(at::native::view_as_real));
+  m.impl("view_as_complex", TORCH_FN(at::native::view_as_complex));
+  m.impl("resize_", TORCH_FN(lazy_resize_));
+  m.impl("set_.source_Storage", TORCH_FN(lazy_set_storage));
+  m.impl("set_.source_Storage_storage_offset", TORCH_FN(lazy_set_storage_offset));
+  m.impl("set_.source_Tensor", TORCH_FN(lazy_set_tensor));
+  m.impl("set_", TORCH_FN(lazy_set_empty));
+  m.impl("_copy_from", TORCH_FN(lazy_copy_from));
+  m.impl("_copy_from_and_resize", TORCH_FN(lazy_copy_from_and_resize));
+  m.impl("_local_scalar_dense", TORCH_FN(lazy_local_scalar_dense));
+  // Captured whole (CompositeExplicitAutograd, so autograd is unaffected): one node each.
+  m.impl("convolution", torch::CppFunction::makeFromBoxedFunction<&lazy_fallback>());
+  m.impl("convolution_backward", torch::CppFunction::makeFromBoxedFunction<&lazy_fallback>());
+  m.impl("convolution_overrideable", torch::CppFunction::makeFromBoxedFunction<&conv_overrideable>());
+  m.impl("convolution_backward_overrideable",
+         torch::CppFunction::makeFromBoxedFunction<&conv_backward_overrideable>());
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&lazymem::lazy_fallback>());
+}
+
+// Core registers autograd fallbacks for the built-in backends only; without one, custom ops without
+// derivative formulas would fail to dispatch (or silently lose grad_fn with a fallthrough).
+TORCH_LIBRARY_IMPL(_, AutogradPrivateUse1, m) {
+  m.fallback(torch::autograd::autogradNotImplementedFallback());
+}
+
+TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFallthrough());
+}

@@ -1,0 +1,196 @@
+// record: meta mirrors and the inference cache.
+#include "record/meta.h"
+
+#include <mutex>
+#include <unordered_map>
+
+#include <ATen/ops/empty_strided.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include "core/check.h"
+#include "core/config.h"
+#include "device/phantom.h"
+
+namespace lazymem {
+namespace {
+
+using Cache = std::unordered_map<CallKey, std::shared_ptr<const MetaResult>, CallKeyHash>;
+
+std::mutex g_cache_mu;
+Cache& cache() {
+  static Cache* c = new Cache();
+  return *c;
+}
+
+constexpr c10::DispatchKeySet kExcludedDuringMeta =
+    c10::autograd_dispatch_keyset_with_ADInplaceOrView | c10::autocast_dispatch_keyset | c10::python_ks;
+
+at::Tensor mirror(const at::Tensor& t, const c10::intrusive_ptr<c10::StorageImpl>& storage) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(storage), c10::DispatchKeySet(c10::DispatchKey::Meta),
+                                                   t.dtype());
+  impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  if (t.is_conj()) impl->_set_conj(true);
+  if (t.is_neg()) impl->_set_neg(true);
+  return at::Tensor(std::move(impl));
+}
+
+c10::intrusive_ptr<c10::StorageImpl> meta_storage(size_t nbytes) {
+  return c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), nbytes,
+                                               c10::DataPtr(nullptr, c10::Device(c10::DeviceType::Meta)),
+                                               c10::GetAllocator(c10::DeviceType::Meta), /*resizable=*/true);
+}
+
+at::Tensor constant_mirror(const at::Tensor& t) {
+  c10::impl::ExcludeDispatchKeyGuard guard(kExcludedDuringMeta);
+  return at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kMeta));
+}
+
+void set_arg(torch::jit::Stack& stack, const TensorArg& ta, at::Tensor value) {
+  c10::IValue& slot = stack[ta.arg];
+  if (ta.elem < 0) {
+    slot = std::move(value);
+  } else {
+    slot.toList().set(ta.elem, c10::IValue(std::move(value)));
+  }
+}
+
+OutSpec describe(const at::Tensor& r, const Call& call, const std::vector<at::Tensor>& mirrors,
+                 const std::vector<c10::intrusive_ptr<c10::StorageImpl>>& storages) {
+  OutSpec o;
+  if (!r.defined()) return o;
+  for (size_t i = 0; i < mirrors.size(); ++i) {
+    if (mirrors[i].defined() && r.unsafeGetTensorImpl() == mirrors[i].unsafeGetTensorImpl()) {
+      o.kind = OutSpec::kSelf;
+      o.src = static_cast<int32_t>(i);
+      return o;
+    }
+  }
+  o.meta = TensorMeta::of(*r.unsafeGetTensorImpl());
+  const c10::StorageImpl* rs = r.has_storage() ? r.storage().unsafeGetStorageImpl() : nullptr;
+  for (size_t i = 0; i < call.tensors.size(); ++i) {
+    const TensorArg& ta = call.tensors[i];
+    if (ta.kind == TensorArg::kLazy && storages[ta.alias].get() == rs) {
+      o.kind = OutSpec::kView;
+      o.src = static_cast<int32_t>(i);
+      return o;
+    }
+  }
+  o.kind = OutSpec::kNew;
+  o.nbytes = rs ? rs->nbytes() : o.meta.extent_bytes();
+  o.nbytes = std::max(o.nbytes, o.meta.extent_bytes());
+  return o;
+}
+
+std::shared_ptr<const MetaResult> run_meta(Call& call) {
+  const auto& schema = call.op.schema();
+  torch::jit::Stack stack;
+  stack.reserve(call.num_args);
+  for (size_t i = 0; i < call.num_args; ++i) {
+    const c10::IValue& v = call.arg(i);
+    stack.push_back(v.isList() ? c10::IValue(v.toList().copy()) : v);
+  }
+  // One meta storage per lazymem storage (alias class, indexed by lazy-argument ordinal), sized like it.
+  std::vector<c10::intrusive_ptr<c10::StorageImpl>> storages;
+  std::vector<at::Tensor> mirrors(call.tensors.size());
+  for (size_t i = 0; i < call.tensors.size(); ++i) {
+    const TensorArg& ta = call.tensors[i];
+    if (ta.kind == TensorArg::kLazy) {
+      int32_t ordinal = static_cast<int32_t>(storages.size());
+      storages.emplace_back();
+      if (ta.alias == ordinal) storages[ordinal] = meta_storage(ta.t.storage().nbytes());
+      mirrors[i] = mirror(ta.t, storages[ta.alias]);
+      set_arg(stack, ta, mirrors[i]);
+    } else if (ta.kind == TensorArg::kConstant) {
+      set_arg(stack, ta, constant_mirror(ta.t));
+    }
+  }
+  if (call.rules.generator_arg >= 0) stack[call.rules.generator_arg] = c10::IValue();
+  for (int32_t d : call.rules.device_args) {
+    if (!stack[d].isNone()) stack[d] = c10::IValue(c10::Device(c10::DeviceType::Meta));
+  }
+  // Metadata of written arguments before the call, to detect out= resizes.
+  std::vector<std::pair<TensorMeta, size_t>> before(call.tensors.size());
+  for (size_t i = 0; i < call.tensors.size(); ++i) {
+    if (call.tensors[i].write && mirrors[i].defined()) {
+      before[i] = {TensorMeta::of(*mirrors[i].unsafeGetTensorImpl()), mirrors[i].storage().nbytes()};
+    }
+  }
+  try {
+    c10::impl::ExcludeDispatchKeyGuard guard(kExcludedDuringMeta);
+    call.op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &stack);
+  } catch (const c10::NotImplementedError&) {
+    return nullptr;
+  }
+  auto result = std::make_shared<MetaResult>();
+  const auto& returns = schema.returns();
+  LAZYMEM_INTERNAL_ASSERT(stack.size() == returns.size(), "meta run of ", schema.name(), " returned ",
+                          stack.size(), " values for ", returns.size(), " returns");
+  result->rets.resize(returns.size());
+  for (size_t j = 0; j < returns.size(); ++j) {
+    RetSpec& rs = result->rets[j];
+    const c10::IValue& v = stack[j];
+    auto kind = returns[j].type()->kind();
+    rs.optional = kind == c10::TypeKind::OptionalType;
+    if (v.isTensor()) {
+      rs.items.push_back(describe(v.toTensor(), call, mirrors, storages));
+    } else if (v.isTensorList() || (kind == c10::TypeKind::ListType && v.isList())) {
+      rs.is_list = true;
+      auto l = v.toList();
+      for (size_t e = 0; e < l.size(); ++e) {
+        c10::IValue x = l.get(e);
+        rs.items.push_back(x.isTensor() ? describe(x.toTensor(), call, mirrors, storages) : OutSpec{});
+      }
+    } else if (v.isNone() && (kind == c10::TypeKind::TensorType || rs.optional)) {
+      rs.items.emplace_back();
+    } else {
+      OutSpec o;
+      o.kind = OutSpec::kValue;
+      o.value = v;
+      rs.items.push_back(std::move(o));
+    }
+  }
+  for (size_t i = 0; i < call.tensors.size(); ++i) {
+    if (!call.tensors[i].write || !mirrors[i].defined()) continue;
+    TensorMeta after = TensorMeta::of(*mirrors[i].unsafeGetTensorImpl());
+    size_t nbytes = mirrors[i].storage().nbytes();
+    const TensorMeta& b = before[i].first;
+    if (after.sizes != b.sizes || after.strides != b.strides || after.offset != b.offset || nbytes != before[i].second) {
+      result->mutations.push_back({static_cast<int32_t>(i), std::move(after), nbytes});
+    }
+  }
+  return result;
+}
+
+} // namespace
+
+std::shared_ptr<const MetaResult> infer_meta(Call& call) {
+  if (call.cacheable) {
+    std::lock_guard<std::mutex> lock(g_cache_mu);
+    auto it = cache().find(call.key);
+    if (it != cache().end()) {
+      stats().meta_cache_hits.fetch_add(1, std::memory_order_relaxed);
+      return it->second;
+    }
+  }
+  stats().meta_cache_misses.fetch_add(1, std::memory_order_relaxed);
+  // No lock is held here: meta kernels written in Python take the GIL.
+  std::shared_ptr<const MetaResult> r = run_meta(call);
+  if (r && call.cacheable) {
+    std::lock_guard<std::mutex> lock(g_cache_mu);
+    if (cache().size() >= config().meta_cache_capacity.load()) cache().clear();
+    cache().emplace(call.key, r);
+  }
+  return r;
+}
+
+void clear_meta_cache() {
+  std::lock_guard<std::mutex> lock(g_cache_mu);
+  cache().clear();
+}
+
+size_t meta_cache_size() {
+  std::lock_guard<std::mutex> lock(g_cache_mu);
+  return cache().size();
+}
+
+} // namespace lazymem

@@ -1,0 +1,203 @@
+// record: the boxed fallback and node construction.
+#include "record/recorder.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_lazy_clone.h>
+#include <ATen/ops/clone.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include "core/check.h"
+#include "core/config.h"
+#include "core/runtime.h"
+#include "device/generator.h"
+#include "device/phantom.h"
+#include "execute/materialize.h"
+#include "ir/program.h"
+#include "record/call.h"
+#include "record/meta.h"
+
+namespace lazymem {
+namespace {
+
+constexpr c10::DispatchKeySet kBelowAutograd =
+    c10::autograd_dispatch_keyset_with_ADInplaceOrView | c10::autocast_dispatch_keyset | c10::python_ks;
+
+// A host (or other-device) tensor copied into lazymem: snapshot it now, so later writes by the user
+// cannot change what the recorded copy reads. Copy-on-write when the storage allows it.
+at::Tensor snapshot(const at::Tensor& t) {
+  c10::impl::ExcludeDispatchKeyGuard guard(kBelowAutograd);
+  if (t.device().is_cpu()) {
+    try {
+      return at::_lazy_clone(t);
+    } catch (const c10::Error&) {
+      // Storage that cannot be shared copy-on-write (e.g. from_blob): take a real copy.
+    }
+  }
+  return at::clone(t);
+}
+
+void set_slot(std::vector<c10::IValue>& args, const TensorArg& ta, c10::IValue v) {
+  if (ta.elem < 0) {
+    args[ta.arg] = std::move(v);
+  } else {
+    args[ta.arg].toList().set(ta.elem, std::move(v));
+  }
+}
+
+at::Tensor view_of(const at::Tensor& base, const TensorMeta& meta) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(base.storage()),
+                                                   base.key_set(), caffe2::TypeMeta::fromScalarType(meta.dtype));
+  meta.apply_to(*impl);
+  return at::Tensor(std::move(impl));
+}
+
+class Emitter {
+ public:
+  Emitter(Call& call, const MetaResult& meta) : call_(call), meta_(meta), node_(std::make_unique<Node>(call.op)) {}
+
+  void run() {
+    apply_mutations();
+    std::vector<c10::IValue> outs;
+    outs.reserve(meta_.rets.size());
+    for (size_t j = 0; j < meta_.rets.size(); ++j) {
+      const RetSpec& rs = meta_.rets[j];
+      if (rs.is_list) {
+        c10::List<at::Tensor> l;
+        for (size_t e = 0; e < rs.items.size(); ++e) {
+          l.push_back(make_out(rs.items[e], rs, static_cast<int32_t>(j), static_cast<int32_t>(e)).toTensor());
+        }
+        outs.emplace_back(std::move(l));
+      } else {
+        outs.push_back(make_out(rs.items.at(0), rs, static_cast<int32_t>(j), -1));
+      }
+    }
+    bool writes = false;
+    for (const TensorArg& ta : call_.tensors) writes = writes || (ta.kind == TensorArg::kLazy && ta.write);
+    const OpRules& rules = call_.rules;
+    if (!node_->defs.empty() || writes || rules.random || rules.effect_only) {
+      build_node();
+      stats().ops_recorded.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      stats().views.fetch_add(1, std::memory_order_relaxed);
+    }
+    torch::jit::drop(*call_.stack, call_.num_args);
+    for (auto& o : outs) call_.stack->push_back(std::move(o));
+  }
+
+ private:
+  void apply_mutations() {
+    for (const Mutation& m : meta_.mutations) {
+      at::Tensor& t = call_.tensors[m.tensor].t;
+      c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+      if (m.storage_nbytes > s->nbytes()) grow_phantom(*s, m.storage_nbytes);
+      t.unsafeGetTensorImpl()->set_sizes_and_strides(m.meta.sizes, m.meta.strides, m.meta.offset);
+    }
+  }
+
+  c10::IValue make_out(const OutSpec& o, const RetSpec& rs, int32_t ret, int32_t elem) {
+    switch (o.kind) {
+      case OutSpec::kNone:
+        return rs.optional && !rs.is_list ? c10::IValue() : c10::IValue(at::Tensor());
+      case OutSpec::kNew: {
+        at::Tensor t = make_lazy_tensor(o.nbytes, o.meta);
+        node_->defs.push_back(Def{ret, elem, TensorRef{buffer_ptr(buffer_of(t)), o.meta, 0}});
+        return t;
+      }
+      case OutSpec::kView:
+        return view_of(call_.tensors[o.src].t, o.meta);
+      case OutSpec::kSelf:
+        return call_.tensors[o.src].t;
+      case OutSpec::kValue:
+        return o.value;
+    }
+    return c10::IValue();
+  }
+
+  void build_node() {
+    Node& n = *node_;
+    const OpRules& rules = call_.rules;
+    n.args.reserve(call_.num_args);
+    for (size_t i = 0; i < call_.num_args; ++i) {
+      const c10::IValue& v = call_.arg(i);
+      n.args.push_back(v.isList() ? c10::IValue(v.toList().copy()) : v);
+    }
+    for (const TensorArg& ta : call_.tensors) {
+      switch (ta.kind) {
+        case TensorArg::kLazy: {
+          // The node holds the buffer, never the tensor: dropping the tensor must make it dead.
+          set_slot(n.args, ta, c10::IValue(at::Tensor()));
+          Use u;
+          u.arg = ta.arg;
+          u.elem = ta.elem;
+          u.ref = TensorRef{buffer_ptr(buffer_of(ta.t)), TensorMeta::of(*ta.t.unsafeGetTensorImpl()), 0};
+          u.write = ta.write != 0;
+          u.write_only = ta.write == 2 || (ta.write && rules.overwrites_self && ta.arg == 0);
+          n.uses.push_back(std::move(u));
+          break;
+        }
+        case TensorArg::kCpuScalar:
+          if (!ta.t.unsafeGetTensorImpl()->is_wrapped_number()) set_slot(n.args, ta, snapshot(ta.t));
+          break;
+        case TensorArg::kConstant:
+          set_slot(n.args, ta, snapshot(ta.t));
+          break;
+      }
+    }
+    n.device_args.assign(rules.device_args.begin(), rules.device_args.end());
+    n.effectful = rules.effect_only;
+    LazyGenerator* gen = nullptr;
+    if (rules.random) {
+      n.random = true;
+      n.generator_arg = rules.generator_arg;
+      at::Generator g;
+      if (rules.generator_arg >= 0 && !n.args[rules.generator_arg].isNone()) {
+        g = n.args[rules.generator_arg].toGenerator();
+      } else {
+        g = default_lazy_generator();
+      }
+      gen = lazy_generator_of(g, call_.op.schema().name().c_str());
+      n.generator = g.getIntrusivePtr();
+      if (rules.generator_arg >= 0) n.args[rules.generator_arg] = c10::IValue();
+    }
+    if (config().debug && flush_hooks().recording_site) n.site = flush_hooks().recording_site();
+    uint64_t seq = Program::get().append(std::move(node_));
+    if (gen) gen->note_draw(seq);
+  }
+
+  Call& call_;
+  const MetaResult& meta_;
+  NodePtr node_;
+};
+
+} // namespace
+
+void record_call(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool allow_constants) {
+  const OpRules& rules = op_rules(op);
+  if (rules.noop) {
+    torch::jit::drop(*stack, op.schema().arguments().size());
+    return;
+  }
+  if (rules.eager) {
+    run_eager(op, stack);
+    return;
+  }
+  Call call(op, rules, stack);
+  analyze_call(call, allow_constants);
+  if (rules.eager_if_mask_index && call.has_mask_index) {
+    run_eager(op, stack);
+    return;
+  }
+  std::shared_ptr<const MetaResult> meta = infer_meta(call);
+  if (!meta) {
+    run_eager(op, stack);
+    return;
+  }
+  Emitter(call, *meta).run();
+  maybe_auto_flush();
+}
+
+void lazy_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  record_call(op, stack, /*allow_constants=*/false);
+}
+
+} // namespace lazymem

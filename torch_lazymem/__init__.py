@@ -1,0 +1,46 @@
+"""torch_lazymem: a PyTorch device, ``lazymem``, that records ops instead of running them and runs
+the recorded program on a real backing device (CUDA when present, else CPU) when a value is needed.
+
+    import torch, torch_lazymem
+    x = torch.randn(64, 128).to("lazymem")
+    y = (x @ x.T).relu_()        # recorded, nothing runs
+    print(y.sum())               # materialized: planned, run on the backing device, printed
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _C  # loads the core library: guard, allocator, hooks and kernels register here
+from ._registration import register as _register
+from .api import (
+    backing_device,
+    buffer_info,
+    program,
+    reset_stats,
+    set_backing_device,
+    set_debug,
+    set_flush_threshold,
+    stats,
+    sync,
+)
+
+__all__ = [
+    "backing_device",
+    "buffer_info",
+    "program",
+    "reset_stats",
+    "set_backing_device",
+    "set_debug",
+    "set_flush_threshold",
+    "stats",
+    "sync",
+]
+
+__version__ = "0.1.0"
+
+_register()
+
+from . import testing  # noqa: E402  (needs the registered device)
+
+del torch

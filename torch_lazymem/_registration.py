@@ -1,0 +1,31 @@
+"""Python-side registration of the PrivateUse1 backend as ``lazymem`` (idempotent)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _device_module, _printing
+
+_done = False
+
+
+def register() -> None:
+    global _done
+    if _done:
+        return
+    name = torch._C._get_privateuse1_backend_name()
+    if name != "lazymem":
+        if name != "privateuseone":
+            raise RuntimeError(
+                f"lazymem: the PrivateUse1 backend is already registered as '{name}' in this process; "
+                "torch_lazymem needs it. Import torch_lazymem in a process without that backend."
+            )
+        torch.utils.rename_privateuse1_backend("lazymem")
+    if not hasattr(torch, "lazymem"):
+        torch._register_device_module("lazymem", _device_module)
+    if not hasattr(torch.Tensor, "is_lazymem"):
+        torch.utils.generate_methods_for_privateuse1_backend(
+            for_tensor=True, for_module=True, for_storage=True
+        )
+    _printing.install()
+    _done = True

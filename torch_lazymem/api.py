@@ -1,0 +1,63 @@
+"""Public API of torch_lazymem beyond the device itself."""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import torch
+
+from . import _C
+
+
+def set_backing_device(device: Union[str, torch.device]) -> None:
+    """Chooses the real device lazymem runs on: ``"cpu"`` or ``"cuda[:N]"``. Allowed while no lazymem
+    buffer holds data on the current backing device (choose it before creating lazymem tensors)."""
+    _C._set_backing_device(str(device))
+
+
+def backing_device() -> torch.device:
+    """The real device lazymem runs recorded programs on (CUDA when present, else CPU)."""
+    return torch.device(_C._backing_device())
+
+
+def sync() -> None:
+    """Runs everything recorded so far: an explicit step marker for loops that never read a value."""
+    _C._synchronize()
+
+
+def stats() -> dict[str, int]:
+    """Counters since the last reset_stats(): ops_recorded, ops_eager, views, meta_cache_hits,
+    meta_cache_misses, materializations, nodes_executed, nodes_eliminated, peak_bytes (device bytes
+    at the peak of the last materialization), auto_flushes; plus the current pending_nodes."""
+    s = dict(_C._stats())
+    s["pending_nodes"] = int(_C._pending_nodes())
+    return s
+
+
+def reset_stats() -> None:
+    _C._reset_stats()
+
+
+def set_debug(enabled: bool = True) -> None:
+    """Debug mode (also ``LAZYMEM_DEBUG=1``): prints each materialization's plan and summary, and
+    records where each op was called from, for error messages."""
+    _C._set_debug(bool(enabled))
+
+
+def set_flush_threshold(nodes: int = 0, bytes: Union[int, str] = 0) -> None:
+    """Runs the pending program automatically once ``nodes`` ops are pending or its new buffers
+    would take ``bytes`` (0 disables each)."""
+    nbytes = _C._parse_bytes(bytes) if isinstance(bytes, str) else int(bytes)
+    if nodes < 0 or nbytes < 0:
+        raise ValueError(f"lazymem: flush thresholds must be non-negative, got nodes={nodes}, bytes={bytes}")
+    _C._set_flush_threshold(int(nodes), nbytes)
+
+
+def program(max_nodes: int = 200) -> str:
+    """The pending program as text."""
+    return str(_C._program_str(max_nodes))
+
+
+def buffer_info(t: torch.Tensor) -> dict[str, Any]:
+    """Internal state of a lazymem tensor's buffer (id, versions, whether it holds real data)."""
+    return dict(_C._buffer_info(t))

@@ -1,0 +1,68 @@
+"""Testing helpers: a simulated memory-capped device for lazymem and the same cap for eager code.
+
+``simulated_device(capacity)`` makes lazymem's backing device a CPU "device" of that capacity: every
+byte lazymem would hold on a GPU (uploaded inputs and parameters, intermediates, results) is counted
+and an allocation past the capacity raises ``torch.OutOfMemoryError``, as CUDA does.
+``memory_cap(capacity)`` counts the plain eager CPU allocations made on the current thread the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Union
+
+from . import _C
+from .api import backing_device, set_backing_device
+
+Capacity = Union[int, str]
+
+
+def parse_bytes(capacity: Capacity) -> int:
+    if isinstance(capacity, bool):
+        raise TypeError(f"lazymem: capacity must be a number of bytes or a string such as '256MiB', got {capacity!r}")
+    if isinstance(capacity, int):
+        if capacity < 0:
+            raise ValueError(f"lazymem: capacity must be non-negative, got {capacity}")
+        return capacity
+    if isinstance(capacity, str):
+        return int(_C._parse_bytes(capacity))
+    raise TypeError(f"lazymem: capacity must be a number of bytes or a string such as '256MiB', got {capacity!r}")
+
+
+@contextlib.contextmanager
+def simulated_device(capacity: Capacity) -> Iterator[None]:
+    """Runs lazymem on a CPU device of ``capacity`` bytes (e.g. ``"256MiB"``)."""
+    cap = parse_bytes(capacity)
+    previous_device = str(backing_device())
+    previous_cap = int(_C._device_capacity())
+    if previous_device != "cpu":
+        set_backing_device("cpu")
+    _C._set_device_capacity(cap)
+    try:
+        yield
+    finally:
+        _C._set_device_capacity(previous_cap)
+        if previous_device != "cpu":
+            with contextlib.suppress(RuntimeError):
+                set_backing_device(previous_device)
+
+
+@contextlib.contextmanager
+def memory_cap(capacity: Capacity) -> Iterator[None]:
+    """Caps plain eager CPU allocations made on this thread at ``capacity`` bytes."""
+    cap = parse_bytes(capacity)
+    _C._eager_cap_push(cap)
+    try:
+        yield
+    finally:
+        _C._eager_cap_pop()
+
+
+def eager_memory_allocated() -> int:
+    """Bytes allocated under memory_cap() and still alive."""
+    return int(_C._eager_allocated())
+
+
+def eager_max_memory_allocated() -> int:
+    return int(_C._eager_peak())
