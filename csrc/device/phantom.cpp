@@ -76,6 +76,9 @@ PhantomAllocator g_phantom;
 
 } // namespace
 
+// at::GetAllocator(PrivateUse1): torch.UntypedStorage(n, device="lazymem"), storage.resize_, empty_generic.
+REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &g_phantom);
+
 c10::Allocator* phantom_allocator() {
   return &g_phantom;
 }

@@ -208,6 +208,30 @@ int64_t lazy_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tens
                        enable_gqa);
 }
 
+// Composite kernels of two kinds would otherwise pre-empt the boxed fallback on PrivateUse1:
+//  - CompositeExplicitAutogradNonFunctional kernels (generated for structured ops: add.Tensor, mm,
+//    index.Tensor, ...) run the structured meta function on lazymem tensors and call the out= op,
+//    and some (index.Tensor with masks) reach device-specific code that cannot run on lazymem;
+//  - the _foreach_* slow paths loop over per-tensor ops (one node per tensor).
+// Capturing them whole records one node per call with the backing device's own kernel at replay.
+// In-place view ops stay composite (pure metadata), and new_empty_strided stays a factory.
+const bool g_captured = [] {
+  static auto* lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0 || name.name == "aten::new_empty_strided") continue;
+    auto op = dispatcher.findOp(name);
+    if (!op || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) continue;
+    bool ceanf = op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional);
+    bool foreach = name.name.rfind("aten::_foreach_", 0) == 0 && op->hasKernelForDispatchKey(c10::DispatchKey::CPU);
+    if (!(ceanf || foreach) || op->hasTag(at::Tag::inplace_view)) continue;
+    std::string qualified = name.name.substr(6);
+    if (!name.overload_name.empty()) qualified += "." + name.overload_name;
+    lib->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&lazy_fallback>());
+  }
+  return true;
+}();
+
 } // namespace
 } // namespace lazymem
 
