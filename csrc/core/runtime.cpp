@@ -11,7 +11,7 @@ namespace {
 
 std::once_flag g_backing_once;
 std::atomic<int> g_backing_type{static_cast<int>(c10::DeviceType::CPU)};
-std::atomic<int> g_backing_index{0};
+std::atomic<int> g_backing_index{-1}; // CPU tensors carry index -1; CUDA gets a real index
 
 void choose_default_backing() {
   std::call_once(g_backing_once, [] {
@@ -23,7 +23,10 @@ void choose_default_backing() {
     } catch (...) {
       cuda = false;
     }
-    if (cuda) g_backing_type = static_cast<int>(c10::DeviceType::CUDA);
+    if (cuda) {
+      g_backing_type = static_cast<int>(c10::DeviceType::CUDA);
+      g_backing_index = 0;
+    }
   });
 }
 
@@ -42,7 +45,7 @@ c10::DispatchKey backing_key() {
 void set_backing_device_unchecked(c10::Device d) {
   choose_default_backing();
   g_backing_type = static_cast<int>(d.type());
-  g_backing_index = d.has_index() ? d.index() : 0;
+  g_backing_index = d.is_cpu() ? -1 : (d.has_index() ? d.index() : 0);
 }
 
 FlushHooks& flush_hooks() {

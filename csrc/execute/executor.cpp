@@ -105,6 +105,17 @@ void adopt_or_copy(const Def& d, const at::Tensor& r, std::vector<const c10::Sto
     taken.push_back(rs);
     return;
   }
+  if (!r.sizes().equals(m.sizes)) {
+    // Some kernels and meta functions disagree on placeholder outputs, one side returning an empty
+    // tensor (native_batch_norm's save_mean in eval mode on the CPU, _embedding_bag_forward_only's
+    // max_indices in meta): the lazymem tensor keeps the meta shape, and its values stay
+    // uninitialized when the kernel returned nothing.
+    LAZYMEM_CHECK(r.numel() == 0 || m.numel() == 0, "meta inference and the ", backing_device(),
+                  " kernel disagree on the shape of output ", d.ret, ": ", m.to_string(), " vs ", r.sizes(),
+                  "; please report this op");
+    ensure_real(b, m.extent_bytes());
+    return;
+  }
   // Meta and real strides can differ for ops without structured kernels: the recorded metadata is
   // authoritative, so the values are copied into the layout every lazymem view expects.
   ensure_real(b, m.extent_bytes());

@@ -80,7 +80,7 @@ void set_backing_device(const std::string& name) {
                   "'): CUDA is not available in this PyTorch build or on this machine");
     if (!d.has_index()) d = c10::Device(c10::kCUDA, 0);
   } else {
-    d = c10::Device(c10::kCPU, 0);
+    d = c10::Device(c10::kCPU);
   }
   c10::Device cur = backing_device();
   if (d != cur) {

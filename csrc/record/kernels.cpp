@@ -213,6 +213,7 @@ int64_t lazy_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tens
 //    index.Tensor, ...) run the structured meta function on lazymem tensors and call the out= op,
 //    and some (index.Tensor with masks) reach device-specific code that cannot run on lazymem;
 //  - the _foreach_* slow paths loop over per-tensor ops (one node per tensor).
+//  - CompositeExplicitAutograd kernels of ops that also have CPU/CUDA kernels (see below).
 // Capturing them whole records one node per call with the backing device's own kernel at replay.
 // In-place view ops stay composite (pure metadata), and new_empty_strided stays a factory.
 const bool g_captured = [] {
@@ -223,8 +224,12 @@ const bool g_captured = [] {
     auto op = dispatcher.findOp(name);
     if (!op || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) continue;
     bool ceanf = op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional);
-    bool foreach = name.name.rfind("aten::_foreach_", 0) == 0 && op->hasKernelForDispatchKey(c10::DispatchKey::CPU);
-    if (!(ceanf || foreach) || op->hasTag(at::Tag::inplace_view)) continue;
+    bool backend = op->hasKernelForDispatchKey(c10::DispatchKey::CPU) || op->hasKernelForDispatchKey(c10::DispatchKey::CUDA);
+    bool foreach = name.name.rfind("aten::_foreach_", 0) == 0 && backend;
+    // CompositeExplicitAutograd kernels beside real CPU/CUDA kernels (native_layer_norm, addr, ...)
+    // exist for other backends only: CPU and CUDA never decompose them, so neither does lazymem.
+    bool hybrid = backend && op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd);
+    if (!(ceanf || foreach || hybrid) || op->hasTag(at::Tag::inplace_view)) continue;
     std::string qualified = name.name.substr(6);
     if (!name.overload_name.empty()) qualified += "." + name.overload_name;
     lib->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&lazy_fallback>());
@@ -277,4 +282,33 @@ TORCH_LIBRARY_IMPL(_, AutogradPrivateUse1, m) {
 
 TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFallthrough());
+}
+
+// The conjugate/negative-bit fallbacks resolve their bit by cloning, and a clone of a lazymem tensor
+// copies through _copy_from again: endless recursion. _copy_from handles both bits itself (the
+// recorded copy_ and the download both see the bit), so let it fall through.
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+
+namespace {
+// Sparse layouts are not supported: fail at the first sparse op with a message that says what to do.
+void sparse_unsupported(const c10::OperatorHandle& op, torch::jit::Stack*) {
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "lazymem: ", op.schema().name(), ": sparse tensors are not supported on ",
+                              "lazymem; convert them with .to_dense() before moving them to lazymem");
+}
+} // namespace
+
+TORCH_LIBRARY_IMPL(_, SparsePrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&sparse_unsupported>());
+}
+
+TORCH_LIBRARY_IMPL(_, SparseCsrPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&sparse_unsupported>());
 }

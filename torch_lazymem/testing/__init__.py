@@ -12,8 +12,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Union
 
-from . import _C
-from .api import backing_device, set_backing_device
+from .. import _C
+from ..api import backing_device, set_backing_device
 
 Capacity = Union[int, str]
 
