@@ -198,13 +198,13 @@ void execute_segment(Segment& seg) {
   std::vector<const Node*> nodes;
   nodes.reserve(seg.nodes.size());
   for (const auto& n : seg.nodes) nodes.push_back(n.get());
-  auto live_out = [&](const LazyBuffer& b) {
-    return b.storage_alive.load(std::memory_order_acquire) || seg.read_later.count(&b) > 0;
-  };
+  auto live_out = [&](const LazyBuffer& b) { return seg.is_live_out(b); };
   Schedule s = plan_segment(nodes, live_out);
   if (config().debug) std::fprintf(stderr, "[lazymem] %s", s.to_string(nodes).c_str());
 
   auto t0 = std::chrono::steady_clock::now();
+  // Dead values no executed node touches (e.g. inputs of eliminated nodes) go before anything runs.
+  for (LazyBuffer* b : s.release_unused) b->drop_real();
   device_counter().reset_window_peak();
   std::exception_ptr first_error;
   size_t executed = 0;
@@ -250,7 +250,6 @@ void execute_segment(Segment& seg) {
     for (LazyBuffer* b : s.release[p]) b->drop_real();
     seg.nodes[s.run[p]].reset(); // drop the node now: its CPU snapshots and buffer references go too
   }
-  for (LazyBuffer* b : s.release_unused) b->drop_real();
   finish();
   if (first_error) std::rethrow_exception(first_error);
 }

@@ -80,9 +80,16 @@ Segment Program::take_prefix(uint64_t upto) {
     for (const auto& u : n->uses) {
       // A pending full overwrite does not need the old value; anything else does.
       if (!(u.write_only && u.ref.meta.covers(u.ref.buf->nbytes.load()))) {
-        seg.read_later.insert(u.ref.buf.get());
+        seg.live_out.insert(u.ref.buf.get());
       }
     }
+  }
+  auto note_alive = [&](const LazyBuffer* b) {
+    if (b->storage_alive.load(std::memory_order_acquire)) seg.live_out.insert(b);
+  };
+  for (const auto& n : seg.nodes) {
+    for (const auto& d : n->defs) note_alive(d.ref.buf.get());
+    for (const auto& u : n->uses) note_alive(u.ref.buf.get());
   }
   return seg;
 }

@@ -16,8 +16,14 @@ namespace lazymem {
 
 struct Segment {
   std::vector<NodePtr> nodes;
-  // Buffers read by nodes that stayed pending after the cut: their values must survive the segment.
-  std::unordered_set<const LazyBuffer*> read_later;
+  // Buffers whose values must survive the segment, decided at the cut (under the program lock):
+  // read by a node that stayed pending, or still named by a tensor. The snapshot matters: a node
+  // recorded after the cut may read a buffer whose last tensor dies before the segment is planned,
+  // but that buffer was necessarily alive at the cut (storages never come back to life).
+  std::unordered_set<const LazyBuffer*> live_out;
+  bool is_live_out(const LazyBuffer& b) const {
+    return live_out.count(&b) > 0;
+  }
 };
 
 class Program {

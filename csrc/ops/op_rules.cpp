@@ -82,6 +82,9 @@ OpRules compute(const c10::OperatorHandle& op) {
     if (k == c10::TypeKind::OptionalType) tensor_return = true;
   }
   r.effect_only = !tensor_return && !r.any_write && !r.eager;
+  r.structured = op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional);
+  r.iterator_overlap_checks = r.any_write &&
+      (op.hasTag(at::Tag::pointwise) || name == "aten::copy_" || name == "aten::fill_" || name == "aten::zero_");
   return r;
 }
 

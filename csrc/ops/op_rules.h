@@ -22,6 +22,12 @@ struct OpRules {
   bool random = false;
   // In-place op whose written argument's previous contents are not read (fill_, copy_, normal_).
   bool overwrites_self = false;
+  // TensorIterator-based (pointwise tag, copy_, fill_): eager checks written arguments for internal
+  // overlap and partial overlap with inputs, which Python meta kernels do not; the recorder does.
+  bool iterator_overlap_checks = false;
+  // Has a CompositeExplicitAutogradNonFunctional kernel: a structured op whose C++ meta function is
+  // the one eager runs (same checks, same messages), while the Meta key may hold a Python meta kernel.
+  bool structured = false;
   // No tensor returns and no mutable arguments: kept for its side effect (asserts).
   bool effect_only = false;
   int32_t generator_arg = -1;

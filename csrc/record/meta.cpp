@@ -81,6 +81,31 @@ OutSpec describe(const at::Tensor& r, const Call& call, const std::vector<at::Te
   return o;
 }
 
+// Runs the op on the meta mirrors. For structured ops the composite kernel is reached through an
+// otherwise unused backend key (PrivateUse2 has no kernels, so its dispatch entry is the
+// CompositeExplicitAutogradNonFunctional kernel): it runs the op's C++ meta function — exactly
+// eager's shape, dtype and overlap checks, with eager's messages — then the out= op on Meta.
+// Python meta kernels registered on the Meta key are looser (no casting or overlap checks).
+bool dispatch_meta(Call& call, torch::jit::Stack& stack) {
+  c10::impl::ExcludeDispatchKeyGuard guard(kExcludedDuringMeta);
+  if (call.rules.structured) {
+    torch::jit::Stack copy = stack;
+    try {
+      call.op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::PrivateUse2), &copy);
+      stack = std::move(copy);
+      return true;
+    } catch (const c10::NotImplementedError&) {
+      // the composite reached something without a meta kernel: fall back to the Meta key
+    }
+  }
+  try {
+    call.op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &stack);
+  } catch (const c10::NotImplementedError&) {
+    return false;
+  }
+  return true;
+}
+
 std::shared_ptr<const MetaResult> run_meta(Call& call) {
   const auto& schema = call.op.schema();
   torch::jit::Stack stack;
@@ -115,12 +140,7 @@ std::shared_ptr<const MetaResult> run_meta(Call& call) {
       before[i] = {TensorMeta::of(*mirrors[i].unsafeGetTensorImpl()), mirrors[i].storage().nbytes()};
     }
   }
-  try {
-    c10::impl::ExcludeDispatchKeyGuard guard(kExcludedDuringMeta);
-    call.op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &stack);
-  } catch (const c10::NotImplementedError&) {
-    return nullptr;
-  }
+  if (!dispatch_meta(call, stack)) return nullptr;
   auto result = std::make_shared<MetaResult>();
   const auto& returns = schema.returns();
   LAZYMEM_INTERNAL_ASSERT(stack.size() == returns.size(), "meta run of ", schema.name(), " returned ",

@@ -1,6 +1,7 @@
 // record: the boxed fallback and node construction.
 #include "record/recorder.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_lazy_clone.h>
 #include <ATen/ops/clone.h>
@@ -169,6 +170,18 @@ class Emitter {
   NodePtr node_;
 };
 
+// TensorIterator's memory-overlap checks, run on the lazymem tensors themselves (their unique phantom
+// addresses make the checks exact), with eager's messages.
+void check_overlaps(const Call& call) {
+  for (const TensorArg& out : call.tensors) {
+    if (out.kind != TensorArg::kLazy || !out.write) continue;
+    at::assert_no_internal_overlap(out.t);
+    for (const TensorArg& in : call.tensors) {
+      if (in.kind == TensorArg::kLazy && !in.write && in.alias == out.alias) at::assert_no_partial_overlap(out.t, in.t);
+    }
+  }
+}
+
 } // namespace
 
 void record_call(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool allow_constants) {
@@ -187,6 +200,7 @@ void record_call(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool a
     run_eager(op, stack);
     return;
   }
+  if (rules.iterator_overlap_checks) check_overlaps(call);
   std::shared_ptr<const MetaResult> meta = infer_meta(call);
   if (!meta) {
     run_eager(op, stack);

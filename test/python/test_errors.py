@@ -1,0 +1,121 @@
+"""Errors: user errors at the call site, replay failures at the sync point, lazymem: messages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_lazymem
+from torch_lazymem.testing import simulated_device
+
+
+def eager_error(fn, *tensors):
+    try:
+        fn(*tensors)
+    except Exception as e:  # noqa: BLE001
+        return type(e), str(e)
+    raise AssertionError("eager did not raise")
+
+
+@pytest.mark.parametrize(
+    "fn, shapes, dtypes",
+    [
+        (lambda x, y: x @ y, [(3, 4), (5, 6)], None),
+        (lambda x, y: x + y, [(3, 4), (5, 6)], None),
+        (lambda x, y: x.add_(y), [(3, 4), (3, 4)], [torch.float32, torch.complex64]),
+        (lambda x, y: x.div_(y), [(3,), (3,)], [torch.int64, torch.float32]),
+        (lambda x, y: torch.cat([x, y], 1), [(3, 4), (5, 6)], None),
+        (lambda x, y: x.view(7), [(3, 4), (1,)], None),
+        (lambda x, y: x[1:].add_(x[:-1]), [(6,), (1,)], None),
+        (lambda x, y: x.expand(3, 6).mul_(2), [(6,), (1,)], None),
+    ],
+)
+def test_user_errors_raise_at_the_call_site_like_eager(fn, shapes, dtypes):
+    dtypes = dtypes or [torch.float32] * len(shapes)
+    cpu = [torch.ones(s, dtype=d) for s, d in zip(shapes, dtypes)]
+    lazy = [t.to("lazymem") for t in cpu]
+    pending = torch_lazymem.stats()["pending_nodes"]
+    etype, emsg = eager_error(fn, *cpu)
+    ltype, lmsg = eager_error(fn, *lazy)
+    assert ltype is etype
+    assert lmsg == emsg  # structured ops run eager's own C++ meta function
+    assert torch_lazymem.stats()["pending_nodes"] == pending  # the failed op recorded nothing
+
+
+def test_replay_failure_raises_at_the_sync_point_with_the_op():
+    x = torch.randn(5, device="lazymem")
+    bad = x.index_select(0, torch.tensor([7]).to("lazymem"))  # checked only by the real kernel
+    good = x * 2
+    with pytest.raises(IndexError, match=r"lazymem: aten::index_select .*failed while materializing.*index out of range"):
+        bad.cpu()
+    # later reads of what it would have written raise the same error instead of returning garbage
+    with pytest.raises(IndexError, match="index out of range"):
+        (bad + 1).cpu()
+    with pytest.raises(IndexError, match="index out of range"):
+        bad.sum().item()
+    # independent values are unaffected
+    assert torch.equal(good.cpu(), x.cpu() * 2)
+
+
+def test_debug_mode_names_where_the_op_was_recorded():
+    torch_lazymem.set_debug(True)
+    try:
+        x = torch.randn(5, device="lazymem")
+        bad = x.index_select(0, torch.tensor([9]).to("lazymem"))
+        with pytest.raises(IndexError, match=r"recorded at .*test_errors\.py:\d+ in test_debug_mode"):
+            bad.cpu()
+    finally:
+        torch_lazymem.set_debug(False)
+
+
+def test_full_overwrite_clears_a_poisoned_buffer():
+    x = torch.randn(5, device="lazymem")
+    bad = x.index_select(0, torch.tensor([7]).to("lazymem"))
+    with pytest.raises(IndexError):
+        bad.cpu()
+    bad.fill_(3.0)
+    assert bad.tolist() == [3.0]
+
+
+def test_device_and_argument_errors():
+    with pytest.raises(RuntimeError, match="lazymem: .*device index 2 is out of range"):
+        torch.zeros(2, device="lazymem:2")
+    with pytest.raises(ValueError, match="lazymem: the backing device must be 'cpu' or 'cuda"):
+        torch_lazymem.set_backing_device("meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="lazymem: set_backing_device\\('cuda'\\): CUDA is not available"):
+            torch_lazymem.set_backing_device("cuda")
+    with pytest.raises(ValueError, match="lazymem: cannot parse a byte size from 'lots'"):
+        with simulated_device("lots"):
+            pass
+    with pytest.raises(ValueError, match="lazymem: unknown byte unit 'parsecs'"):
+        torch_lazymem.set_flush_threshold(bytes="3parsecs")
+    with pytest.raises(ValueError, match="lazymem: flush thresholds must be non-negative"):
+        torch_lazymem.set_flush_threshold(nodes=-1)
+    with pytest.raises(TypeError, match="lazymem: capacity must be"):
+        with simulated_device(1.5):  # type: ignore[arg-type]
+            pass
+
+
+def test_unsupported_layouts_say_what_to_do():
+    with pytest.raises(NotImplementedError, match="lazymem: .*sparse tensors are not supported"):
+        torch.empty(2, 2, device="lazymem", layout=torch.sparse_coo)
+    coo = torch.eye(3).to_sparse()
+    with pytest.raises(NotImplementedError, match="lazymem: .*sparse tensors are not supported.*to_dense"):
+        coo.to("lazymem")
+    csr = torch.eye(3).to_sparse_csr().to("lazymem")  # the CSR copy bypasses the dispatcher...
+    with pytest.raises(RuntimeError, match="unsupported tensor layout: SparseCsr"):
+        csr * 2  # ...and the first op on it raises
+
+
+def test_generator_of_another_device_is_rejected():
+    g = torch.Generator()
+    with pytest.raises(RuntimeError, match="lazymem: .*expected a 'lazymem' device type for generator but found 'cpu'"):
+        torch.randn(3, device="lazymem", generator=g)
+
+
+def test_changing_the_backing_device_with_live_data_is_refused():
+    x = torch.randn(3, device="lazymem")
+    x.cpu()
+    torch_lazymem.set_backing_device("cpu")  # same device: fine
+    assert torch_lazymem.backing_device() == torch.device("cpu")

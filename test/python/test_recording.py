@@ -1,0 +1,165 @@
+"""Recording: ops are recorded, not run; shapes come from meta kernels; factories and copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_bitwise
+
+import torch_lazymem
+
+
+def test_no_real_bytes_before_a_sync_point():
+    big = torch.randn(256, 256)
+    x = big.to("lazymem")
+    w = torch.randn(256, 256, device="lazymem")
+    y = (x @ w).relu_()
+    for _ in range(10):
+        y = y * 2 + 1
+    assert torch.lazymem.memory_allocated() == 0
+    s = torch_lazymem.stats()
+    assert s["nodes_executed"] == 0 and s["materializations"] == 0
+    assert s["ops_recorded"] >= 23 and s["pending_nodes"] == s["ops_recorded"]
+    assert y.shape == (256, 256) and y.dtype == torch.float32
+    y.sum().item()
+    assert torch_lazymem.stats()["materializations"] == 1
+
+
+def test_meta_inference_is_cached():
+    x = torch.randn(8, 8, device="lazymem")
+    torch_lazymem.reset_stats()
+    for _ in range(5):
+        x = torch.sin(x)
+    s = torch_lazymem.stats()
+    assert s["meta_cache_hits"] >= 4
+    assert s["meta_cache_misses"] <= 1
+
+
+def test_cache_key_sees_aliasing():
+    torch.manual_seed(0)
+    a = torch.randn(4)
+    b = torch.randn(4)
+    x, y = a.to("lazymem"), b.to("lazymem")
+    x.add_(y)
+    x.add_(x)  # same op and metadata, but self aliases other
+    a.add_(b)
+    a.add_(a)
+    assert_bitwise(x, a)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: torch.zeros(3, 4, device=d),
+        lambda d: torch.ones(2, 3, dtype=torch.int64, device=d),
+        lambda d: torch.full((2, 2), 7.5, device=d),
+        lambda d: torch.arange(10, device=d),
+        lambda d: torch.arange(0.5, 3.0, 0.25, device=d),
+        lambda d: torch.linspace(0, 1, 7, device=d),
+        lambda d: torch.eye(3, device=d),
+        lambda d: torch.tensor([[1, 2], [3, 4]], device=d),
+        lambda d: torch.zeros_like(torch.empty(3, 2, device=d)),
+        lambda d: torch.full_like(torch.empty(2, device=d), 3),
+        lambda d: torch.scalar_tensor(2.5, device=d),
+        lambda d: torch.tril_indices(4, 3, device=d),
+    ],
+)
+def test_deterministic_factories(make):
+    assert_bitwise(make("lazymem"), make("cpu"))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d, g: torch.randn(5, 3, device=d, generator=g),
+        lambda d, g: torch.rand(7, device=d, generator=g),
+        lambda d, g: torch.randint(0, 10, (4, 4), device=d, generator=g),
+        lambda d, g: torch.randperm(9, device=d, generator=g),
+        lambda d, g: torch.empty(6, device=d).normal_(2.0, 3.0, generator=g),
+        lambda d, g: torch.empty(6, device=d).uniform_(-1, 1, generator=g),
+        lambda d, g: torch.empty(50, device=d).bernoulli_(0.3, generator=g),
+    ],
+)
+def test_random_factories_reproduce_the_cpu_stream(make):
+    cpu = make("cpu", torch.Generator().manual_seed(7))
+    lazy = make("lazymem", torch.Generator(device="lazymem").manual_seed(7))
+    assert_bitwise(lazy, cpu)
+
+
+def test_randn_like_and_default_generator():
+    torch.manual_seed(11)
+    cpu = torch.randn_like(torch.empty(3, 3))
+    torch.manual_seed(11)
+    lazy = torch.randn_like(torch.empty(3, 3, device="lazymem"))
+    assert_bitwise(lazy, cpu)
+
+
+def test_to_lazymem_snapshots_the_source():
+    src = torch.arange(6.0)
+    x = src.to("lazymem")
+    src.mul_(100)  # later CPU writes must not change what was copied
+    assert_bitwise(x, torch.arange(6.0))
+    view = torch.arange(12.0).reshape(3, 4)[:, 1]
+    y = view.to("lazymem")
+    view.zero_()
+    assert_bitwise(y, torch.tensor([1.0, 5.0, 9.0]))
+
+
+def test_copies_between_lazymem_tensors_and_conversions():
+    a = torch.randn(3, 4)
+    x = a.to("lazymem")
+    y = torch.empty(3, 4, device="lazymem")
+    y.copy_(x)
+    z = torch.zeros(2, 3, 4, device="lazymem")
+    z.copy_(x)  # broadcast
+    assert_bitwise(y, a)
+    assert_bitwise(z, torch.zeros(2, 3, 4).copy_(a))
+    assert_bitwise(x.double(), a.double())
+    assert_bitwise(x.to(torch.int32), a.to(torch.int32))
+    assert_bitwise(a.to("lazymem", torch.float64), a.double())
+    assert_bitwise(x.clone(), a)
+    assert x.to("lazymem") is x
+
+
+def test_mixing_with_a_cpu_tensor_fails_like_cpu_cuda():
+    x = torch.randn(3, device="lazymem")
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device.*lazymem:0 and cpu"):
+        x + torch.randn(3)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.mm(torch.randn(3, 3, device="lazymem"), torch.randn(3, 3))
+    # 0-dim CPU tensors are scalars, allowed as on CUDA
+    assert_bitwise(x.cpu().to("lazymem") + torch.tensor(2.0), x.cpu() + torch.tensor(2.0))
+
+
+def test_dead_code_is_not_run():
+    x = torch.randn(100, device="lazymem")
+    y = x * 2  # dead: dropped before any sync
+    del y
+    z = x + 1
+    torch_lazymem.reset_stats()
+    z.cpu()
+    s = torch_lazymem.stats()
+    assert s["nodes_eliminated"] == 1
+    assert s["nodes_executed"] == 2  # randn's normal_ and the add
+
+
+def test_views_record_no_nodes():
+    x = torch.randn(4, 6, device="lazymem")
+    before = torch_lazymem.stats()["pending_nodes"]
+    v = x.t()[1:3].unsqueeze(0).expand(2, 2, 4)
+    w = x.view(24).reshape(2, 12).permute(1, 0).diagonal()
+    assert torch_lazymem.stats()["pending_nodes"] == before
+    assert v.shape == (2, 2, 4) and w.shape == (2,)
+
+
+def test_program_introspection():
+    x = torch.randn(3, device="lazymem")
+    (x * 2).sum()
+    text = torch_lazymem.program()
+    assert "aten::normal_" in text and "aten::mul" in text and "aten::sum" in text
+    info = torch_lazymem.buffer_info(x)
+    assert info["version"] == 1 and not info["has_real"] and info["pending_writer"] > 0
+    x.cpu()
+    info = torch_lazymem.buffer_info(x)
+    assert info["has_real"] and info["real_version"] == 1 and info["pending_writer"] == 0
+    torch_lazymem._C._verify()
