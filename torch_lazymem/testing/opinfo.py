@@ -9,6 +9,7 @@ shape and dtype only. Used by test/python/test_opinfo.py (a subset) and tools/op
 from __future__ import annotations
 
 import dataclasses
+import functools
 import traceback
 from collections.abc import Iterator
 from typing import Any, Callable
@@ -17,6 +18,9 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 PASS, MISMATCH, ERROR, SKIP = "pass", "mismatch", "error", "skip"
+# Seed set before each op's samples are generated (by seeded_outcomes), so that an op sees the same
+# sample values whatever ran before it in the process: the CI subset and the report agree.
+SAMPLE_SEED = 0
 
 # Ops whose outputs are uninitialized memory: compared by shape and dtype only.
 UNINITIALIZED = {"empty", "empty_like", "new_empty", "empty_permuted", "new_empty_strided", "empty_strided"}
@@ -146,3 +150,36 @@ def run_op(op: Any, max_samples: int | None = None) -> Iterator[Outcome]:
             continue
         detail = _equal(expected, got, shapes_only=random or op.name in UNINITIALIZED)
         yield Outcome(name, i, MISMATCH if detail else PASS, detail, random)
+
+
+# Modes of comparison: name -> generator of Outcomes for one op, called as runner(op, max_samples).
+# A backward (gradient) mode is added here, and tools/opinfo_report.py picks it up by name.
+RUNNERS: dict[str, Callable[..., Iterator[Outcome]]] = {"forward": run_op}
+
+
+@functools.cache
+def ops_by_name() -> dict[str, Any]:
+    """Full name -> OpInfo, for every op run_op can run (float32 on the CPU), in op_db order."""
+    return {full_name(op): op for op in _ops()}
+
+
+def find_op(name: str) -> Any:
+    """The OpInfo whose full name (``name`` or ``name.variant``) is ``name``; KeyError if none."""
+    return ops_by_name()[name]
+
+
+def sample_count(op: Any, max_samples: int | None = None) -> int:
+    """How many Outcomes run_op(op, max_samples) yields (1 for an op skipped as a whole)."""
+    if full_name(op) in STORAGE_DEPENDENT:
+        return 1
+    try:
+        n = sum(1 for _ in op.sample_inputs("cpu", torch.float32, requires_grad=False))
+    except Exception:  # noqa: BLE001 - run_op reports a broken sample generator as one skip
+        return 1
+    return min(n, max_samples) if max_samples else n
+
+
+def seeded_outcomes(op: Any, mode: str = "forward", max_samples: int | None = None) -> Iterator[Outcome]:
+    """RUNNERS[mode](op, max_samples) with the global RNG seeded to SAMPLE_SEED first."""
+    torch.manual_seed(SAMPLE_SEED)
+    yield from RUNNERS[mode](op, max_samples)

@@ -1,0 +1,85 @@
+"""torch_lazymem demo: a small model runs on the lazymem device and matches eager PyTorch bitwise.
+
+Runs a CNN + MLP forward pass on eager CPU and on lazymem (backed by the CPU), checks that every
+output is bitwise equal, and prints what lazymem recorded and ran: ops recorded, nodes executed and
+eliminated, and the device memory it held, on the simulated memory-capped device.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn as nn
+
+import torch_lazymem
+from torch_lazymem.testing import simulated_device
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
+            nn.AdaptiveAvgPool2d(1),
+        )
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x)).log_softmax(-1)
+
+
+def median_time(fn, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[repeats // 2]
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    model = Net().eval()
+    images = torch.randn(64, 3, 32, 32)
+
+    with torch.no_grad():
+        expected = model(images)
+        eager_s = median_time(lambda: model(images))
+
+    lazy_model = Net().eval()
+    lazy_model.load_state_dict(model.state_dict())
+    lazy_model.to("lazymem")
+    x = images.to("lazymem")
+    with torch.no_grad():
+        lazy_model(x).cpu()  # warm-up: the first call of each op imports PyTorch's meta kernels (~1-2 s once)
+    torch_lazymem.reset_stats()
+    with simulated_device("256MiB"), torch.no_grad():
+        out = lazy_model(x)  # recorded: nothing runs yet
+        recorded = torch_lazymem.stats()
+        held_before = torch.lazymem.memory_allocated()
+        got = out.cpu()  # sync point: planned, run on the backing device, downloaded
+        stats = torch_lazymem.stats()
+        lazy_s = median_time(lambda: lazy_model(x).cpu())
+
+    print(f"torch {torch.__version__}, lazymem backed by {torch_lazymem.backing_device()}")
+    print(f"output {tuple(got.shape)}: bitwise equal to eager CPU: {torch.equal(got, expected)}")
+    print(f"predictions: {got.argmax(-1)[:12].tolist()} ...")
+    print()
+    print(f"  ops recorded before the sync      {recorded['pending_nodes']:>10}")
+    print(f"  device bytes held before the sync {held_before:>10}")
+    print(f"  materializations                  {stats['materializations']:>10}")
+    print(f"  nodes executed                    {stats['nodes_executed']:>10}")
+    print(f"  nodes eliminated (dead code)      {stats['nodes_eliminated']:>10}")
+    print(f"  meta-inference cache hits/misses  {stats['meta_cache_hits']:>5}/{stats['meta_cache_misses']}")
+    print(f"  peak device bytes in the run      {torch_lazymem._C._format_bytes(stats['peak_bytes']):>10}")
+    print(f"  device bytes held after the run   {torch_lazymem._C._format_bytes(torch.lazymem.memory_allocated()):>10}")
+    print(f"  time per forward (median of 5): eager {eager_s * 1e3:.1f} ms, "
+          f"lazymem record + run + download {lazy_s * 1e3:.1f} ms")
+    if not torch.equal(got, expected):
+        raise SystemExit("lazymem result differs from eager")
+
+
+if __name__ == "__main__":
+    main()
