@@ -172,6 +172,19 @@ c10::Scalar lazy_local_scalar_dense(const at::Tensor& self) {
   return real_view(*b, meta).item();
 }
 
+// param.data = other and Module.to() keep Parameter objects only between "compatible" tensor
+// types; core lists CPU/CUDA/... dense but not PrivateUse1. A lazymem TensorImpl is a plain
+// storage-backed TensorImpl, so a shallow copy between it and any dense strided tensor is safe: this
+// keeps parameter identity (and tied weights) through model.to("lazymem") and back, as for CUDA.
+bool lazy_has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  auto dense = [](const at::Tensor& t) {
+    return t.layout() == c10::kStrided && !t.is_sparse() && !t.is_quantized() && !t.is_nested() &&
+        !t.is_mkldnn() && t.has_storage() && !t.key_set().has_any(c10::python_ks);
+  };
+  return dense(self) && dense(from) &&
+      (is_lazy(self) || self.is_cpu() || self.is_cuda()) && (is_lazy(from) || from.is_cpu() || from.is_cuda());
+}
+
 // convolution_overrideable has convolution's schema: record the real op so replay runs the backing
 // device's own convolution.
 void conv_overrideable(const c10::OperatorHandle&, torch::jit::Stack* stack) {
@@ -262,6 +275,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from", TORCH_FN(lazy_copy_from));
   m.impl("_copy_from_and_resize", TORCH_FN(lazy_copy_from_and_resize));
   m.impl("_local_scalar_dense", TORCH_FN(lazy_local_scalar_dense));
+  m.impl("_has_compatible_shallow_copy_type", TORCH_FN(lazy_has_compatible_shallow_copy_type));
   // Captured whole (CompositeExplicitAutograd, so autograd is unaffected): one node each.
   m.impl("convolution", torch::CppFunction::makeFromBoxedFunction<&lazy_fallback>());
   m.impl("convolution_backward", torch::CppFunction::makeFromBoxedFunction<&lazy_fallback>());
