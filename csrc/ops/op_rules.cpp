@@ -5,6 +5,7 @@
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <vector>
 
 #include <ATen/core/enum_tag.h>
 
@@ -32,6 +33,18 @@ const std::unordered_set<std::string>& overwriting_inplace() {
       "aten::cauchy_", "aten::bernoulli_",
   };
   return s;
+}
+
+// Ops that write arguments their schema does not mark as written (schema lies): argument indices.
+// native_batch_norm updates running_mean/running_var in training mode; its schema predates alias
+// annotations (_native_batch_norm_legit is the annotated successor).
+const std::unordered_map<std::string, std::vector<int32_t>>& unannotated_writes() {
+  static const std::unordered_map<std::string, std::vector<int32_t>> m = {
+      {"aten::native_batch_norm", {3, 4}},
+      {"aten::miopen_batch_norm", {3, 4}},
+      {"aten::cudnn_batch_norm", {3, 4}},
+  };
+  return m;
 }
 
 const std::unordered_set<std::string>& noop_ops() {
@@ -71,6 +84,15 @@ OpRules compute(const c10::OperatorHandle& op) {
   // bernoulli_.Tensor reads p from another tensor but still overwrites self entirely; the
   // self-reading in-place ops (add_ etc.) are simply not in the table.
   r.overwrites_self = overwriting_inplace().count(name) > 0;
+  auto lie = unannotated_writes().find(name);
+  if (lie != unannotated_writes().end()) {
+    for (int32_t i : lie->second) {
+      if (i < static_cast<int32_t>(r.writes.size()) && !r.writes[i]) {
+        r.writes[i] = 1;
+        r.any_write = true;
+      }
+    }
+  }
   bool tensor_return = false;
   for (const auto& ret : schema.returns()) {
     auto k = ret.type()->kind();

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from conftest import assert_bitwise
@@ -10,13 +12,15 @@ import torch_lazymem
 
 
 def test_no_real_bytes_before_a_sync_point():
+    gc.collect()
+    base = torch.lazymem.memory_allocated()
     big = torch.randn(256, 256)
     x = big.to("lazymem")
     w = torch.randn(256, 256, device="lazymem")
     y = (x @ w).relu_()
     for _ in range(10):
         y = y * 2 + 1
-    assert torch.lazymem.memory_allocated() == 0
+    assert torch.lazymem.memory_allocated() == base
     s = torch_lazymem.stats()
     assert s["nodes_executed"] == 0 and s["materializations"] == 0
     assert s["ops_recorded"] >= 23 and s["pending_nodes"] == s["ops_recorded"]
