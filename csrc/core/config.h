@@ -30,8 +30,10 @@ Stats& stats();
 struct Config {
   // LAZYMEM_DEBUG=1: print each materialization's summary and capture where each op was recorded.
   std::atomic<bool> debug{false};
-  // Auto-flush when this many nodes are pending (0 = never). LAZYMEM_FLUSH_NODES.
-  std::atomic<uint64_t> flush_threshold_nodes{0};
+  // Auto-flush when this many nodes are pending (0 = never). LAZYMEM_FLUSH_NODES. The default bounds
+  // a loop that never reads a value while leaving a whole training step (thousands of nodes even for
+  // large models) in one window for the planner.
+  std::atomic<uint64_t> flush_threshold_nodes{50000};
   // Auto-flush when the pending program would allocate this many new bytes (0 = never).
   std::atomic<uint64_t> flush_threshold_bytes{0};
   // Meta-inference cache entries kept before the cache is cleared (LAZYMEM_META_CACHE_SIZE).
