@@ -15,10 +15,11 @@ Rows of the printed table:
    ``.cpu()`` of the output, vs eager CPU. Goal: <= 1.05x. The output must be bitwise equal.
 
 For (a) and (b) the lazymem time is also split into recording (the loop) and replay (the final
-``torch.lazymem.synchronize()``). Every figure is the median over several timed repetitions,
-run after untimed warm-ups; ``torch.set_num_threads`` is left at its default.
+``torch.lazymem.synchronize()``). Every figure is the median over several timed repetitions
+run after untimed warm-ups (``--stat min`` takes the minimum instead); ``torch.set_num_threads``
+is left at its default.
 
-    PYTHONPATH=. python tools/bench_record.py [--quick]
+    PYTHONPATH=. python tools/bench_record.py [--quick] [--stat {median,min}]
 """
 
 from __future__ import annotations
@@ -35,10 +36,12 @@ import torch_lazymem
 
 LAZY = "lazymem"
 sync = torch.lazymem.synchronize
+AGG: dict[str, Callable[[list[float]], float]] = {"median": statistics.median, "min": min}
+agg = AGG["median"]  # set from --stat in main()
 
 
 def median_time(fn: Callable[[], object], reps: int, warmup: int, after: Callable[[], object] = sync) -> float:
-    """Median seconds of fn() over `reps` runs after `warmup` runs; after() runs untimed after each."""
+    """agg (median or min) seconds of fn() over `reps` runs after `warmup`; after() runs untimed after each."""
     times = []
     for i in range(warmup + reps):
         t0 = time.perf_counter()
@@ -47,7 +50,7 @@ def median_time(fn: Callable[[], object], reps: int, warmup: int, after: Callabl
         after()
         if i >= warmup:
             times.append(t1 - t0)
-    return statistics.median(times)
+    return agg(times)
 
 
 def tiny_chain(y: torch.Tensor, n_ops: int) -> torch.Tensor:
@@ -99,7 +102,7 @@ def bench_uncached(n_ops: int, reps: int) -> tuple[float, dict]:
 
 def e2e(run_lazy: Callable[[], torch.Tensor], run_eager: Callable[[], torch.Tensor],
         read: Callable[[torch.Tensor], object], reps: int, warmup: int) -> dict:
-    """Median total (record + sync + read), record and replay times for lazymem, and eager total."""
+    """agg of total (record + sync + read), record and replay times for lazymem, and of eager total."""
     rec, rep, tot, eag = [], [], [], []
     for i in range(warmup + reps):
         t0 = time.perf_counter()
@@ -116,8 +119,7 @@ def e2e(run_lazy: Callable[[], torch.Tensor], run_eager: Callable[[], torch.Tens
             rep.append(t2 - t1)
             tot.append(t3 - t0)
             eag.append(t4 - t3)
-    med = statistics.median
-    return {"record": med(rec), "replay": med(rep), "lazy": med(tot), "eager": med(eag),
+    return {"record": agg(rec), "replay": agg(rep), "lazy": agg(tot), "eager": agg(eag),
             "lazy_val": lazy_val, "eager_val": eager_val}
 
 
@@ -163,7 +165,11 @@ def meta(st: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer ops and repetitions")
+    ap.add_argument("--stat", choices=sorted(AGG), default="median",
+                    help="statistic over the timed repetitions (min is steadier on a busy machine)")
     args = ap.parse_args()
+    global agg
+    agg = AGG[args.stat]
     if args.quick:
         n_cached, n_uncached, n_tiny, reps, mlp_reps = 4000, 1000, 10_000, 3, 2
     else:
@@ -203,7 +209,7 @@ def main() -> None:
 
     print(f"torch {torch.__version__} | threads {torch.get_num_threads()} | "
           f"backing device {torch_lazymem.backing_device()} | torch_lazymem {torch_lazymem.__version__}")
-    print(f"median of {reps} reps ({mlp_reps} for the MLP) after warm-ups; time.perf_counter"
+    print(f"{args.stat} of {reps} reps ({mlp_reps} for the MLP) after warm-ups; time.perf_counter"
           f"{' | --quick' if args.quick else ''}")
     print()
     print(line(head))

@@ -28,6 +28,7 @@ std::map<std::string, int64_t> Stats::snapshot() const {
       {"nodes_eliminated", ld(nodes_eliminated)},
       {"peak_bytes", ld(peak_bytes)},
       {"auto_flushes", ld(auto_flushes)},
+      {"outputs_copied", ld(outputs_copied)},
   };
 }
 
@@ -42,6 +43,7 @@ void Stats::reset() {
   nodes_eliminated = 0;
   peak_bytes = 0;
   auto_flushes = 0;
+  outputs_copied = 0;
 }
 
 static Config* make_config() {

@@ -22,6 +22,7 @@ struct Stats {
   std::atomic<uint64_t> nodes_eliminated{0};
   std::atomic<int64_t> peak_bytes{0};        // peak device bytes during the last materialization
   std::atomic<uint64_t> auto_flushes{0};
+  std::atomic<uint64_t> outputs_copied{0};   // kernel results copied into their buffer (layout differed)
   std::map<std::string, int64_t> snapshot() const;
   void reset();
 };

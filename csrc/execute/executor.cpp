@@ -118,6 +118,11 @@ void adopt_or_copy(const Def& d, const at::Tensor& r, std::vector<const c10::Sto
   }
   // Meta and real strides can differ for ops without structured kernels: the recorded metadata is
   // authoritative, so the values are copied into the layout every lazymem view expects.
+  stats().outputs_copied.fetch_add(1, std::memory_order_relaxed);
+  if (config().debug) {
+    std::fprintf(stderr, "[lazymem] output %d copied: recorded %s, kernel returned strides %s offset %lld\n", d.ret,
+                 m.to_string().c_str(), c10::str(r.strides()).c_str(), static_cast<long long>(r.storage_offset()));
+  }
   ensure_real(b, m.extent_bytes());
   ReplayScope scope;
   real_view(b, m).copy_(r);
