@@ -69,11 +69,8 @@ class DefaultGeneratorLoan {
   at::Generator saved_;
 };
 
+// The caller holds a ReplayScope (and a device guard for non-CPU backing devices).
 void dispatch(Node& n, torch::jit::Stack& stack) {
-  c10::Device dev = backing_device();
-  ReplayScope scope;
-  std::optional<c10::DeviceGuard> device_guard;
-  if (!dev.is_cpu()) device_guard.emplace(dev);
   const c10::DispatchKeySet ks(backing_key());
   if (!n.random) {
     n.op.redispatchBoxed(ks, &stack);
@@ -124,7 +121,6 @@ void adopt_or_copy(const Def& d, const at::Tensor& r, std::vector<const c10::Sto
                  m.to_string().c_str(), c10::str(r.strides()).c_str(), static_cast<long long>(r.storage_offset()));
   }
   ensure_real(b, m.extent_bytes());
-  ReplayScope scope;
   real_view(b, m).copy_(r);
 }
 
@@ -211,6 +207,9 @@ void execute_segment(Segment& seg) {
   // Dead values no executed node touches (e.g. inputs of eliminated nodes) go before anything runs.
   for (LazyBuffer* b : s.release_unused) b->drop_real();
   device_counter().reset_window_peak();
+  ReplayScope scope;
+  std::optional<c10::DeviceGuard> device_guard;
+  if (!backing_device().is_cpu()) device_guard.emplace(backing_device());
   std::exception_ptr first_error;
   size_t executed = 0;
   auto finish = [&] {

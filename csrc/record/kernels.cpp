@@ -17,6 +17,7 @@
 
 #include "core/check.h"
 #include "core/runtime.h"
+#include "core/version.h"
 #include "device/phantom.h"
 #include "execute/materialize.h"
 #include "execute/real.h"
@@ -207,6 +208,7 @@ void conv_backward_overrideable(const c10::OperatorHandle&, torch::jit::Stack* s
 
 // Scaled-dot-product attention picks its kernel by device type above the backend; pick what the
 // backing device would pick, so lazymem on the CPU decomposes exactly as eager CPU does.
+#if LAZYMEM_TORCH_AT_LEAST(2, 5)
 int64_t lazy_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const std::optional<at::Tensor>& mask, double dropout, bool is_causal,
                         std::optional<double> scale, bool enable_gqa) {
@@ -220,6 +222,19 @@ int64_t lazy_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tens
   return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), q, k, v, mask, dropout, is_causal, scale,
                        enable_gqa);
 }
+#else
+int64_t lazy_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const std::optional<at::Tensor>& mask, double dropout, bool is_causal,
+                        std::optional<double> scale) {
+  if (!backing_device().is_cpu()) return static_cast<int64_t>(at::SDPBackend::math);
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("aten::_fused_sdp_choice", "")
+          .typed<int64_t(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                         double, bool, std::optional<double>)>();
+  return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), q, k, v, mask, dropout, is_causal, scale);
+}
+#endif
 
 // Composite kernels of two kinds would otherwise pre-empt the boxed fallback on PrivateUse1:
 //  - CompositeExplicitAutogradNonFunctional kernels (generated for structured ops: add.Tensor, mm,
