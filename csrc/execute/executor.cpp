@@ -7,6 +7,7 @@
 #include <ATen/Context.h>
 #include <ATen/core/stack.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/GradMode.h>
 
 #include "core/check.h"
 #include "core/config.h"
@@ -72,6 +73,7 @@ class DefaultGeneratorLoan {
 // The caller holds a ReplayScope (and a device guard for non-CPU backing devices).
 void dispatch(Node& n, torch::jit::Stack& stack) {
   const c10::DispatchKeySet ks(backing_key());
+  c10::AutoGradMode grad_mode(n.grad_mode); // kernels that read GradMode see the record-time mode
   if (!n.random) {
     n.op.redispatchBoxed(ks, &stack);
     return;

@@ -75,6 +75,7 @@ struct Node {
   c10::intrusive_ptr<c10::GeneratorImpl> generator; // lazymem generator of a random node
   bool random = false;          // consumes a generator: never eliminated, replayed in order
   bool effectful = false;       // no outputs but a side effect (asserts): never eliminated
+  bool grad_mode = false;       // GradMode at record time: a few kernels read it (replay restores it)
   std::string site;             // where it was recorded (debug mode), for error messages
 
   const char* name() const {

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_lazy_clone.h>
 #include <ATen/ops/clone.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include "core/check.h"
@@ -145,6 +146,7 @@ class Emitter {
       }
     }
     n.device_args.assign(rules.device_args.begin(), rules.device_args.end());
+    n.grad_mode = c10::GradMode::is_enabled();
     n.effectful = rules.effect_only;
     LazyGenerator* gen = nullptr;
     if (rules.random) {
