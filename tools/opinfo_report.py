@@ -14,8 +14,8 @@ so the ops a dead batch had finished keep their results.
 To check the crash handling itself, OPINFO_REPORT_FAKE_CRASH=op1,op2 in the environment makes the
 workers segfault when they reach those ops.
 
-Modes: ``--mode`` picks an entry of opinfo.RUNNERS; only "forward" exists so far. A backward mode
-needs a runner there (and its name in MODES below); nothing else here depends on the mode.
+Modes: ``--mode`` picks an entry of opinfo.RUNNERS: "forward" (outputs) or "backward" (gradients).
+Nothing else here depends on the mode.
 """
 
 from __future__ import annotations
@@ -32,16 +32,17 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-MODES = ("forward",)  # keys of torch_lazymem.testing.opinfo.RUNNERS that this script offers
+MODES = ("forward", "backward")  # keys of torch_lazymem.testing.opinfo.RUNNERS
 PASS, MISMATCH, ERROR, SKIP, CRASH = "pass", "mismatch", "error", "skip", "crash"
 FAILURES = (MISMATCH, ERROR, CRASH)
-STARTUP_ATTEMPTS = 3  # a worker that dies before running anything (e.g. the extension being rebuilt)
+STARTUP_ATTEMPTS = 5  # a worker that dies before running anything (e.g. the extension being rebuilt)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -139,16 +140,27 @@ class Scheduler:
         self.workdir = workdir
         self.counter = itertools.count(1)  # next() is atomic: worker files get distinct names
         self.threads = max(1, (os.cpu_count() or 1) // max(1, opts.jobs))
+        self.live: set[subprocess.Popen[bytes]] = set()
+        self.lock = threading.Lock()
+        self.stopping = False
+
+    def stop(self) -> None:
+        """Kills the running workers (their sessions are their own: Ctrl-C does not reach them)."""
+        with self.lock:
+            self.stopping = True
+            for proc in self.live:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
 
     def run(self, names: list[str], count: bool = False, listing: bool = False) -> Run:
         """Runs a worker over `names`, retrying a worker that dies before it starts (ImportError...)."""
         run = Run(names)
         for attempt in range(STARTUP_ATTEMPTS):
             run = self._run_once(names, count, listing)
-            if run.ready or not run.died:
+            if run.ready or not run.died or self.stopping:
                 return run
             if attempt + 1 < STARTUP_ATTEMPTS:
-                time.sleep(3)
+                time.sleep(3 * 2**attempt)  # 3, 6, 12, 24 s: long enough for a rebuild of the extension
         return run
 
     def _run_once(self, names: list[str], count: bool, listing: bool) -> Run:
@@ -175,10 +187,15 @@ class Scheduler:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         env.setdefault("PYTHONFAULTHANDLER", "1")
         run = Run(names)
-        with open(err_path, "w") as err:
+        with open(err_path, "w") as err, self.lock:
+            if self.stopping:
+                run.returncode = -signal.SIGKILL
+                return run
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env, start_new_session=True
             )
+            self.live.add(proc)
+        try:
             last_size, last_change = -1, time.monotonic()
             while proc.poll() is None:
                 time.sleep(0.1)
@@ -191,6 +208,9 @@ class Scheduler:
                         os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
                     break
+        finally:
+            with self.lock:
+                self.live.discard(proc)
         run.returncode = proc.returncode
         run.stderr = Path(err_path).read_text(errors="replace")
         self._parse(run, out_path)
@@ -228,7 +248,6 @@ class Crash:
     how: str
     samples: int
     stderr: str
-    batch: bool = False  # True: the batch died on this op but the op alone did not (state-dependent)
 
 
 class Report:
@@ -286,7 +305,10 @@ class Report:
         s = self.summary()
         pct = f"{s['percent']:.2f}%" if s["percent"] is not None else "n/a"
         crashes = f"{s['crashes']} crash" + ("" if s["crashes"] == 1 else "es")
-        return f"{self.mode}: {s['passed']}/{s['total']} samples pass ({pct}), {crashes}"
+        line = f"{self.mode}: {s['passed']}/{s['total']} samples pass ({pct}), {crashes}"
+        if self.batch_crashes:
+            line += f" (+{len(self.batch_crashes)} batch crash(es) no op reproduces alone)"
+        return line
 
     def print(self, file: Any = sys.stdout) -> None:
         s = self.summary()
@@ -294,7 +316,8 @@ class Report:
         w(f"== op_db {self.mode} conformance: {s['ops']} ops ==\n")
         failures = [o for o in self.outcomes if o["status"] in FAILURES]
         if failures:
-            w(f"\nfailures by cause ({len(failures)} samples in {s['ops_failing']} ops):\n")
+            nops = s["ops_failing"]
+            w(f"\nfailures by cause ({len(failures)} samples in {nops} op{'s' if nops != 1 else ''}):\n")
             _print_groups(failures, w)
         if self.crashes:
             w(f"\ncrashes ({len(self.crashes)} ops):\n")
@@ -349,9 +372,7 @@ def cause(o: dict[str, Any]) -> str:
     text = _OP_NUMBER.sub("", head)
     text = _HEX.sub("0x…", text)
     text = _NUMBER.sub("N", text)
-    prefix = "" if o["status"] == CRASH else o["status"] + ": "
-    if o["status"] == SKIP:
-        prefix = ""
+    prefix = "" if o["status"] in (CRASH, SKIP) else o["status"] + ": "
     return (prefix + text)[:300]
 
 
@@ -361,12 +382,12 @@ def _print_groups(outcomes: list[dict[str, Any]], w: Any) -> None:
     for o in outcomes:
         c = cause(o)
         groups[c][o["op"]] += 1
-        example.setdefault(c, f"{o['op']} sample {o['index']}")
+        example.setdefault(c, f"{o['op']} sample {o['index']}" if o["index"] >= 0 else o["op"])
     for c, ops in sorted(groups.items(), key=lambda kv: (-sum(kv[1].values()), kv[0])):
         n = sum(ops.values())
-        w(f"  {n:5d} samples, {len(ops)} op{'s' if len(ops) != 1 else ''}: {c}\n")
+        w(f"  {n:5d} sample{'s' if n != 1 else ''}, {len(ops)} op{'s' if len(ops) != 1 else ''}: {c}\n")
         listed = ", ".join(f"{name} ({k})" for name, k in sorted(ops.items(), key=lambda kv: (-kv[1], kv[0])))
-        w(f"        {listed}\n")
+        w(f"        {listed}; e.g. {example[c]}\n")
 
 
 def _select(listing: list[list[str]], wanted: str | None) -> list[str]:
@@ -385,8 +406,61 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _schedule(sched: Scheduler, pool: ThreadPoolExecutor, batches: list[list[str]], report: Report) -> bool:
+    """Runs the batches, reruns the ops of a batch that dies one per process; False if a worker could
+    not start at all (the environment, not an op, is broken)."""
+    t0 = time.monotonic()
+    pending: dict[Future[Run], str] = {pool.submit(sched.run, b): "batch" for b in batches}
+    suspects: dict[str, dict[str, Any]] = {}  # op rerun alone -> the batch death it was left in
+    batch_deaths: list[dict[str, Any]] = []
+    finished = 0
+    while pending:
+        done, _ = wait(pending, return_when=FIRST_COMPLETED)
+        for fut in done:
+            kind = pending.pop(fut)
+            run = fut.result()
+            if not run.ready:
+                _progress(f"opinfo_report: a worker could not start ({run.how}):\n{run.stderr_tail()}")
+                return False
+            report.add_ops(run.done)
+            if kind == "batch":
+                finished += 1
+                if not run.died:
+                    _progress(f"  batch {finished}/{len(batches)} done ({time.monotonic() - t0:.0f} s)")
+                    continue
+                left = [n for n in run.names if n not in run.done]
+                running = next(iter(run.started), None)
+                _progress(
+                    f"  batch {finished}/{len(batches)} died ({run.how}) in {running or 'no op'}: "
+                    f"rerunning {len(left)} ops one per process"
+                )
+                death = {
+                    "op": running,
+                    "how": run.how,
+                    "stderr": run.stderr_tail(),
+                    "ops": left,
+                    "crashed": [],
+                }
+                batch_deaths.append(death)
+                for name in left:
+                    suspects[name] = death
+                    pending[pool.submit(sched.run, [name], True)] = "single"
+            else:
+                name = run.names[0]
+                death = suspects.pop(name)
+                if run.died:
+                    report.add_crash(Crash(name, run.how, run.samples.get(name) or 1, run.stderr_tail()))
+                    death["crashed"].append(name)
+                    _progress(f"  {name}: crashes alone ({run.how})")
+    # A batch that died although none of its unfinished ops crashes alone: reported as a note.
+    report.batch_crashes = [d for d in batch_deaths if not d["crashed"]]
+    return True
+
+
 def main_parent(opts: argparse.Namespace) -> int:
     t0 = time.monotonic()
+    # SIGTERM unwinds like Ctrl-C, so that the workers (in sessions of their own) are killed too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     report = Report(opts.mode)
     with tempfile.TemporaryDirectory(prefix="opinfo_report_") as workdir:
         sched = Scheduler(opts, workdir)
@@ -398,57 +472,16 @@ def main_parent(opts: argparse.Namespace) -> int:
         batches = [names[i : i + opts.batch_size] for i in range(0, len(names), opts.batch_size)]
         _progress(f"{len(names)} ops in {len(batches)} batches, {opts.jobs} jobs")
         with ThreadPoolExecutor(max_workers=opts.jobs) as pool:
-            pending: dict[Future[Run], str] = {pool.submit(sched.run, b): "batch" for b in batches}
-            suspects: dict[str, dict[str, Any]] = {}  # op rerun alone -> the batch crash it was left in
-            batch_deaths: list[dict[str, Any]] = []
-            finished = 0
-            while pending:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    kind = pending.pop(fut)
-                    run = fut.result()
-                    if not run.ready:
-                        _progress(
-                            f"opinfo_report: a worker could not start ({run.how}):\n{run.stderr_tail()}"
-                        )
-                        return 2
-                    report.add_ops(run.done)
-                    if kind == "batch":
-                        finished += 1
-                        if not run.died:
-                            _progress(
-                                f"  batch {finished}/{len(batches)} done ({time.monotonic() - t0:.0f} s)"
-                            )
-                            continue
-                        left = [n for n in run.names if n not in run.done]
-                        running = next(iter(run.started), None)
-                        _progress(
-                            f"  batch {finished}/{len(batches)} died ({run.how}) in {running or 'no op'}: "
-                            f"rerunning {len(left)} ops one per process"
-                        )
-                        death = {
-                            "op": running,
-                            "how": run.how,
-                            "stderr": run.stderr_tail(),
-                            "ops": left,
-                            "crashed": [],
-                        }
-                        batch_deaths.append(death)
-                        for name in left:
-                            suspects[name] = death
-                            pending[pool.submit(sched.run, [name], True)] = "single"
-                    else:
-                        name = run.names[0]
-                        death = suspects.pop(name)
-                        if run.died:
-                            report.add_crash(
-                                Crash(name, run.how, run.samples.get(name) or 1, run.stderr_tail())
-                            )
-                            death["crashed"].append(name)
-                            _progress(f"  {name}: crashes alone ({run.how})")
-        # A batch that died although none of its unfinished ops crashes alone: reported as a note.
-        report.batch_crashes = [d for d in batch_deaths if not d["crashed"]]
-    report.outcomes.sort(key=lambda o: (names.index(o["op"]) if o["op"] in names else -1, o["index"]))
+            try:
+                ok = _schedule(sched, pool, batches, report)
+            except BaseException:
+                sched.stop()  # Ctrl-C: kill the workers, start no more
+                raise
+            if not ok:
+                sched.stop()
+                return 2
+    order = {name: i for i, name in enumerate(names)}
+    report.outcomes.sort(key=lambda o: (order.get(o["op"], -1), o["index"]))
     sys.stderr.flush()
     report.print()
     _progress(f"({time.monotonic() - t0:.1f} s)")
@@ -468,7 +501,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=2, help="worker processes at once (default 2)")
     p.add_argument("--json", metavar="OUT", help="write the raw outcomes and the summary to this JSON file")
     p.add_argument("--max-samples", type=int, default=None, metavar="K", help="at most K samples per op")
-    p.add_argument("--batch-size", type=int, default=80, help="ops per worker process (default 80)")
+    p.add_argument("--batch-size", type=int, default=100, help="ops per worker process (default 100)")
     p.add_argument(
         "--timeout",
         type=float,
@@ -490,7 +523,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
-    return _worker(opts) if opts.worker else main_parent(opts)
+    if opts.worker:
+        return _worker(opts)
+    try:
+        return main_parent(opts)
+    except KeyboardInterrupt:
+        _progress("opinfo_report: interrupted")
+        return 130
 
 
 if __name__ == "__main__":

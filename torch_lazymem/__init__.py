@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _C  # loads the core library: guard, allocator, hooks and kernels register here
+from . import _C  # noqa: F401 - loads the core library: guard, allocator, hooks and kernels register
 from ._registration import register as _register
 from .api import (
     backing_device,
@@ -41,6 +41,6 @@ __version__ = "0.1.0"
 
 _register()
 
-from . import testing  # noqa: E402  (needs the registered device)
+from . import testing  # noqa: E402,F401  (needs the registered device)
 
 del torch

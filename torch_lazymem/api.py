@@ -38,10 +38,10 @@ def reset_stats() -> None:
     _C._reset_stats()
 
 
-def set_debug(enabled: bool = True) -> None:
-    """Debug mode (also ``LAZYMEM_DEBUG=1``): prints each materialization's plan and summary, and
-    records where each op was called from, for error messages."""
-    _C._set_debug(bool(enabled))
+def set_debug(level: Union[bool, int] = True) -> None:
+    """Debug mode (also ``LAZYMEM_DEBUG=1``): prints each materialization's summary and records where
+    each op was called from, for error messages; level 2 (``LAZYMEM_DEBUG=2``) also prints each plan."""
+    _C._set_debug(int(level))
 
 
 def set_flush_threshold(nodes: int = 0, bytes: Union[int, str] = 0) -> None:

@@ -49,7 +49,7 @@ void Stats::reset() {
 static Config* make_config() {
   auto* c = new Config();
   if (const char* d = std::getenv("LAZYMEM_DEBUG")) {
-    c->debug = std::string(d) != "0" && std::string(d) != "";
+    c->debug = std::atoi(d) > 0 ? std::atoi(d) : (std::string(d).empty() || std::string(d) == "0" ? 0 : 1);
   }
   if (const char* n = std::getenv("LAZYMEM_FLUSH_NODES")) {
     c->flush_threshold_nodes = std::strtoull(n, nullptr, 10);

@@ -29,8 +29,9 @@ struct Stats {
 Stats& stats();
 
 struct Config {
-  // LAZYMEM_DEBUG=1: print each materialization's summary and capture where each op was recorded.
-  std::atomic<bool> debug{false};
+  // LAZYMEM_DEBUG=1: print each materialization's summary and capture where each op was recorded;
+  // LAZYMEM_DEBUG=2 also prints each plan node by node.
+  std::atomic<int> debug{0};
   // Auto-flush when this many nodes are pending (0 = never). LAZYMEM_FLUSH_NODES. The default bounds
   // a loop that never reads a value while leaving a whole training step (thousands of nodes even for
   // large models) in one window for the planner.

@@ -14,6 +14,7 @@
 #include "core/runtime.h"
 #include "device/generator.h"
 #include "execute/real.h"
+#include "ops/op_rules.h"
 #include "plan/schedule.h"
 
 namespace lazymem {
@@ -89,13 +90,17 @@ void dispatch(Node& n, torch::jit::Stack& stack) {
   }
 }
 
-void adopt_or_copy(const Def& d, const at::Tensor& r, std::vector<const c10::StorageImpl*>& taken) {
+void adopt_or_copy(const Def& d, const at::Tensor& r, std::vector<const c10::StorageImpl*>& taken, bool placeholder) {
   LazyBuffer& b = *d.ref.buf;
   const TensorMeta& m = d.ref.meta;
   LAZYMEM_INTERNAL_ASSERT(r.defined(), "kernel returned an undefined tensor where meta inference promised ",
                           m.to_string());
   const c10::StorageImpl* rs = r.has_storage() ? r.storage().unsafeGetStorageImpl() : nullptr;
-  bool adopt = rs && !b.has_real() && r.device() == backing_device() && r.scalar_type() == m.dtype &&
+  // Only plain dense results are adopted: a ZeroTensor (efficientzerotensor) has a sized storage with
+  // no memory behind it, and other functionality keys (conj/neg bits, Python) change what the bytes mean.
+  bool plain = rs && (rs->data_ptr().get() != nullptr || rs->nbytes() == 0) &&
+      !r.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::ZeroTensor, c10::DispatchKey::Python}));
+  bool adopt = plain && !b.has_real() && r.device() == backing_device() && r.scalar_type() == m.dtype &&
       r.sizes().equals(m.sizes) && r.strides().equals(m.strides) && r.storage_offset() == m.offset &&
       r.is_conj() == m.conj && r.is_neg() == m.neg && rs->nbytes() >= b.nbytes.load() &&
       std::find(taken.begin(), taken.end(), rs) == taken.end();
@@ -105,13 +110,13 @@ void adopt_or_copy(const Def& d, const at::Tensor& r, std::vector<const c10::Sto
     return;
   }
   if (!r.sizes().equals(m.sizes)) {
-    // Some kernels and meta functions disagree on placeholder outputs, one side returning an empty
-    // tensor (native_batch_norm's save_mean in eval mode on the CPU, _embedding_bag_forward_only's
-    // max_indices in meta): the lazymem tensor keeps the meta shape, and its values stay
-    // uninitialized when the kernel returned nothing.
-    LAZYMEM_CHECK(r.numel() == 0 || m.numel() == 0, "meta inference and the ", backing_device(),
+    // The kernel disagrees with meta inference on this output's shape. Known placeholders
+    // (native_batch_norm's saved statistics in eval mode, empty on the CPU, sized in meta) keep the
+    // meta shape with uninitialized values, as placeholders are never read; anything else fails
+    // for this output alone (reads of it raise; the node's other outputs are fine).
+    LAZYMEM_CHECK(placeholder && (r.numel() == 0 || m.numel() == 0), "meta inference and the ", backing_device(),
                   " kernel disagree on the shape of output ", d.ret, ": ", m.to_string(), " vs ", r.sizes(),
-                  "; please report this op");
+                  "; this output cannot be used on lazymem (please report the op)");
     ensure_real(b, m.extent_bytes());
     return;
   }
@@ -148,9 +153,16 @@ void run_node(Node& n) {
   }
   dispatch(n, stack);
   c10::IValue scratch;
+  const bool placeholder = op_rules(n.op).placeholder_outputs;
   for (const Def& d : n.defs) {
     const c10::IValue& r = ret_value(stack, d, scratch);
-    adopt_or_copy(d, r.toTensor(), taken);
+    try {
+      adopt_or_copy(d, r.toTensor(), taken, placeholder);
+    } catch (const c10::OutOfMemoryError&) {
+      throw; // retryable: the node goes back to the program
+    } catch (const std::exception& e) {
+      d.ref.buf->poison = annotate_node_error(e, "lazymem: " + n.describe() + ": ");
+    }
     d.ref.buf->real_version = d.ref.version;
   }
   for (const Use& u : n.uses) {
@@ -203,7 +215,7 @@ void execute_segment(Segment& seg) {
   for (const auto& n : seg.nodes) nodes.push_back(n.get());
   auto live_out = [&](const LazyBuffer& b) { return seg.is_live_out(b); };
   Schedule s = plan_segment(nodes, live_out);
-  if (config().debug) std::fprintf(stderr, "[lazymem] %s", s.to_string(nodes).c_str());
+  if (config().debug >= 2) std::fprintf(stderr, "[lazymem] %s", s.to_string(nodes).c_str());
 
   auto t0 = std::chrono::steady_clock::now();
   // Dead values no executed node touches (e.g. inputs of eliminated nodes) go before anything runs.

@@ -21,6 +21,9 @@ const std::unordered_set<std::string>& forced_eager() {
       "aten::_unique", "aten::_unique2", "aten::unique_dim", "aten::unique_dim_consecutive",
       "aten::argwhere", "aten::bincount", "aten::histc", "aten::segment_reduce",
       "aten::_nested_tensor_from_mask", "aten::item",
+      // Meta inference gives offset2bag/max_indices shapes the CPU kernel does not, and the backward
+      // kernel reads them: run for real so the outputs have the backing device's shapes.
+      "aten::_embedding_bag", "aten::_embedding_bag_forward_only",
   };
   return s;
 }
@@ -104,6 +107,8 @@ OpRules compute(const c10::OperatorHandle& op) {
     if (k == c10::TypeKind::OptionalType) tensor_return = true;
   }
   r.effect_only = !tensor_return && !r.any_write && !r.eager;
+  r.placeholder_outputs = name == "aten::native_batch_norm" || name == "aten::_native_batch_norm_legit" ||
+      name == "aten::_native_batch_norm_legit_no_training";
   r.structured = op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional);
   r.iterator_overlap_checks = r.any_write &&
       (op.hasTag(at::Tag::pointwise) || name == "aten::copy_" || name == "aten::fill_" || name == "aten::zero_");

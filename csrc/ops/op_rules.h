@@ -28,6 +28,9 @@ struct OpRules {
   // Has a CompositeExplicitAutogradNonFunctional kernel: a structured op whose C++ meta function is
   // the one eager runs (same checks, same messages), while the Meta key may hold a Python meta kernel.
   bool structured = false;
+  // Some outputs are placeholders whose shape differs between meta inference and the CPU kernel
+  // (native_batch_norm's saved statistics in eval mode): tolerated, values left uninitialized.
+  bool placeholder_outputs = false;
   // No tensor returns and no mutable arguments: kept for its side effect (asserts).
   bool effect_only = false;
   int32_t generator_arg = -1;

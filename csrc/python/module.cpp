@@ -163,7 +163,7 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("_stats", [] { return stats().snapshot(); });
   m.def("_reset_stats", [] { stats().reset(); });
-  m.def("_set_debug", [](bool on) { config().debug = on; });
+  m.def("_set_debug", [](int level) { config().debug = level; });
   m.def("_debug", [] { return config().debug.load(); });
   m.def("_set_flush_threshold", [](uint64_t nodes, uint64_t bytes) {
     config().flush_threshold_nodes = nodes;

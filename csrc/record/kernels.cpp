@@ -257,6 +257,11 @@ const bool g_captured = [] {
     // CompositeExplicitAutograd kernels beside real CPU/CUDA kernels (native_layer_norm, addr, ...)
     // exist for other backends only: CPU and CUDA never decompose them, so neither does lazymem.
     bool hybrid = backend && op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd);
+    // Likewise CompositeImplicitAutograd kernels beside CPU/CUDA kernels and an autograd formula
+    // (mish_backward, silu_backward): the formula keeps autograd intact when captured.
+    hybrid = hybrid ||
+        (backend && op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) &&
+         op->hasKernelForDispatchKey(c10::DispatchKey::Autograd));
     if (!(ceanf || foreach || hybrid) || op->hasTag(at::Tag::inplace_view)) continue;
     std::string qualified = name.name.substr(6);
     if (!name.overload_name.empty()) qualified += "." + name.overload_name;

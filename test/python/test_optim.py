@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 from training import train_twins
 
-O = torch.optim
+optim = torch.optim
 
 
 def mlp() -> nn.Module:
@@ -26,17 +26,17 @@ def mse(model, b):
 @pytest.mark.parametrize(
     "make_opt",
     [
-        lambda p: O.SGD(p, lr=0.1),
-        lambda p: O.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
-        lambda p: O.SGD(p, lr=0.1, momentum=0.9, foreach=False),
-        lambda p: O.Adam(p, lr=0.01),
-        lambda p: O.Adam(p, lr=0.01, foreach=False, amsgrad=True),
-        lambda p: O.AdamW(p, lr=0.01, weight_decay=0.1),
-        lambda p: O.AdamW(p, lr=0.01, foreach=False),
-        lambda p: O.RMSprop(p, lr=0.01, momentum=0.5, centered=True),
-        lambda p: O.RMSprop(p, lr=0.01, foreach=False),
-        lambda p: O.Adagrad(p, lr=0.05),
-        lambda p: O.Adagrad(p, lr=0.05, foreach=False),
+        lambda p: optim.SGD(p, lr=0.1),
+        lambda p: optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+        lambda p: optim.SGD(p, lr=0.1, momentum=0.9, foreach=False),
+        lambda p: optim.Adam(p, lr=0.01),
+        lambda p: optim.Adam(p, lr=0.01, foreach=False, amsgrad=True),
+        lambda p: optim.AdamW(p, lr=0.01, weight_decay=0.1),
+        lambda p: optim.AdamW(p, lr=0.01, foreach=False),
+        lambda p: optim.RMSprop(p, lr=0.01, momentum=0.5, centered=True),
+        lambda p: optim.RMSprop(p, lr=0.01, foreach=False),
+        lambda p: optim.Adagrad(p, lr=0.05),
+        lambda p: optim.Adagrad(p, lr=0.05, foreach=False),
     ],
     ids=["sgd", "sgd-nesterov-wd", "sgd-forloop", "adam", "adam-forloop-amsgrad", "adamw", "adamw-forloop",
          "rmsprop-centered", "rmsprop-forloop", "adagrad", "adagrad-forloop"],
@@ -47,7 +47,7 @@ def test_optimizers(make_opt):
 
 def test_optimizer_state_lives_on_lazymem():
     m = mlp().to("lazymem")
-    opt = O.Adam(m.parameters(), lr=0.01)
+    opt = optim.Adam(m.parameters(), lr=0.01)
     mse(m, [t.to("lazymem") for t in batch(0)]).backward()
     opt.step()
     state = opt.state[m[0].weight]
@@ -56,13 +56,13 @@ def test_optimizer_state_lives_on_lazymem():
 
 def test_clip_grad_norm_and_schedulers():
     def make_opt(p):
-        return O.SGD(p, lr=0.2, momentum=0.5)
+        return optim.SGD(p, lr=0.2, momentum=0.5)
 
     eager, lazy = train_twins(mlp, batch, mse, make_opt=make_opt, steps=3, clip=0.05)
     # schedulers only touch Python floats; the twins see the same learning rates
     for lr_model in (eager, lazy):
         opt = make_opt(lr_model.parameters())
-        sched = O.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=4)
+        sched = optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=4)
         for _ in range(3):
             opt.step()
             sched.step()
@@ -73,7 +73,7 @@ def test_clip_grad_norm_and_schedulers():
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_zero_grad(set_to_none):
     m = mlp().to("lazymem")
-    opt = O.SGD(m.parameters(), lr=0.1)
+    opt = optim.SGD(m.parameters(), lr=0.1)
     mse(m, [t.to("lazymem") for t in batch(0)]).backward()
     opt.zero_grad(set_to_none=set_to_none)
     for p in m.parameters():

@@ -8,12 +8,12 @@ import copy
 
 import pytest
 import torch
+from conftest import assert_bitwise
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_lazymem
-from conftest import assert_bitwise
 
 pytestmark = [
     pytest.mark.skipif(torch_lazymem.backing_device().type != "cpu",

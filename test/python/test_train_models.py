@@ -30,8 +30,10 @@ def ce(model, b):
 
 
 def test_mlp():
-    make = lambda: nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.GELU(),
-                                 nn.Linear(64, 5))
+    def make():
+        return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.GELU(),
+                             nn.Linear(64, 5))
+
     train_twins(make, batch_of(16, 20, classes=5), ce, steps=STEPS)
 
 

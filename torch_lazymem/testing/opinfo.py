@@ -3,7 +3,8 @@
 on the CPU and on lazymem (inputs built on the CPU, copied with ``.to("lazymem")``, results forced
 with ``.cpu()``) and the results are compared bitwise: on the CPU backing device lazymem replays the
 same kernels on the same data. Random ops (whose CPU result changes with the seed) are compared by
-shape and dtype only. Used by test/python/test_opinfo.py (a subset) and tools/opinfo_report.py.
+shape and dtype only. The backward mode compares the gradients (torch.autograd.grad of the sum of
+the outputs) of every differentiable sample the same way. Used by test/python/test_opinfo.py (a subset) and tools/opinfo_report.py.
 """
 
 from __future__ import annotations
@@ -117,34 +118,40 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[:200]}"
 
 
-def run_op(op: Any, max_samples: int | None = None) -> Iterator[Outcome]:
-    """Yields one Outcome per float32 sample of `op` (forward, requires_grad=False)."""
+def _lazy_sample(op: Any, sample: Any, move: Callable[[Any], Any]) -> Any:
+    """The sample with its tensors moved by `move` (the input only, for ops that need CPU arguments)."""
+    if op.name in CPU_ARGS:
+        lazy = sample.transform(lambda x: x.detach() if isinstance(x, torch.Tensor) else x)
+        lazy.input = move(sample.input)
+        return lazy
+    return sample.transform(move)
+
+
+def _compare(
+    op: Any,
+    samples: list[Any],
+    compute: Callable[[Any, Any, int], Any],
+    cpu_move: Callable[[Any], Any],
+    lazy_move: Callable[[Any], Any],
+) -> Iterator[Outcome]:
+    """One Outcome per sample: compute(op, sample, seed) on the CPU and on lazymem, compared bitwise
+    (shapes only for random ops, detected by a second CPU run with another seed)."""
     name = full_name(op)
-    if name in STORAGE_DEPENDENT:
-        yield Outcome(name, -1, SKIP, "sample depends on storage beyond the view; device copies hold only the view")
-        return
-    try:
-        samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=False))
-    except Exception as e:  # noqa: BLE001 - a broken sample generator is reported, not raised
-        yield Outcome(name, -1, SKIP, "sample_inputs failed: " + _short(e))
-        return
-    for i, sample in enumerate(samples[:max_samples] if max_samples else samples):
+    for i, sample in enumerate(samples):
         try:
-            expected = _run(op, sample, seed=1234)
+            expected = compute(op, sample.transform(cpu_move), 1234)
+        except _NotDifferentiable:
+            yield Outcome(name, i, SKIP, "no differentiable output or input")
+            continue
         except Exception as e:  # noqa: BLE001 - the CPU itself rejects the sample: not a lazymem case
             yield Outcome(name, i, SKIP, "cpu raised " + _short(e))
             continue
         try:
-            random = not _equal(expected, _run(op, sample, seed=4321), shapes_only=False) == ""
+            random = _equal(expected, compute(op, sample.transform(cpu_move), 4321), shapes_only=False) != ""
         except Exception:  # noqa: BLE001
             random = True
         try:
-            if op.name in CPU_ARGS:
-                lazy_sample = sample.transform(lambda x: x)
-                lazy_sample.input = _to("lazymem")(sample.input)
-            else:
-                lazy_sample = sample.transform(_to("lazymem"))
-            got = tree_map(_to_cpu, _run(op, lazy_sample, seed=1234))
+            got = tree_map(_to_cpu, compute(op, _lazy_sample(op, sample, lazy_move), 1234))
         except Exception as e:  # noqa: BLE001
             yield Outcome(name, i, ERROR, _short(e) + "\n" + traceback.format_exc(limit=-3), random)
             continue
@@ -152,9 +159,78 @@ def run_op(op: Any, max_samples: int | None = None) -> Iterator[Outcome]:
         yield Outcome(name, i, MISMATCH if detail else PASS, detail, random)
 
 
+def _samples(op: Any, requires_grad: bool, max_samples: int | None) -> list[Any] | Outcome:
+    name = full_name(op)
+    if name in STORAGE_DEPENDENT:
+        return Outcome(name, -1, SKIP, "sample depends on storage beyond the view; device copies hold only the view")
+    try:
+        samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=requires_grad))
+    except Exception as e:  # noqa: BLE001 - a broken sample generator is reported, not raised
+        return Outcome(name, -1, SKIP, "sample_inputs failed: " + _short(e))
+    return samples[:max_samples] if max_samples else samples
+
+
+def run_op(op: Any, max_samples: int | None = None) -> Iterator[Outcome]:
+    """Yields one Outcome per float32 sample of `op` (forward, requires_grad=False)."""
+    samples = _samples(op, False, max_samples)
+    if isinstance(samples, Outcome):
+        yield samples
+        return
+    yield from _compare(op, samples, _run, lambda x: x, _to("lazymem"))
+
+
+def _grad_inputs(sample: Any) -> list[torch.Tensor]:
+    flat, _ = tree_flatten((sample.input, sample.args, sample.kwargs))
+    return [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _leaf(device: str) -> Callable[[Any], Any]:
+    def move(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.detach().to(device).requires_grad_(x.requires_grad)
+        return x
+
+    return move
+
+
+class _NotDifferentiable(Exception):
+    pass
+
+
+def _grads(op: Any, sample: Any, seed: int) -> tuple[Any, ...]:
+    """torch.autograd.grad of the sum of the op's differentiable outputs w.r.t. its grad inputs."""
+    inputs = _grad_inputs(sample)
+    out = sample.output_process_fn_grad(_run(op, sample, seed))
+    flat, _ = tree_flatten(out)
+    terms = [
+        (torch.view_as_real(o) if o.is_complex() else o).sum()
+        for o in flat
+        if isinstance(o, torch.Tensor) and o.requires_grad
+    ]
+    if not terms or not inputs:
+        raise _NotDifferentiable()
+    total = terms[0]
+    for t in terms[1:]:
+        total = total + t
+    return torch.autograd.grad(total, inputs, allow_unused=True)
+
+
+def run_op_backward(op: Any, max_samples: int | None = None) -> Iterator[Outcome]:
+    """Yields one Outcome per float32 sample of a differentiable `op`: the gradients of the sum of
+    its outputs with respect to every input that requires grad, lazymem vs CPU, compared bitwise."""
+    if not op.supports_autograd:
+        yield Outcome(full_name(op), -1, SKIP, "op does not support autograd")
+        return
+    samples = _samples(op, True, max_samples)
+    if isinstance(samples, Outcome):
+        yield samples
+        return
+    yield from _compare(op, samples, _grads, _leaf("cpu"), _leaf("lazymem"))
+
+
 # Modes of comparison: name -> generator of Outcomes for one op, called as runner(op, max_samples).
-# A backward (gradient) mode is added here, and tools/opinfo_report.py picks it up by name.
-RUNNERS: dict[str, Callable[..., Iterator[Outcome]]] = {"forward": run_op}
+# tools/opinfo_report.py picks them up by name (--mode forward|backward).
+RUNNERS: dict[str, Callable[..., Iterator[Outcome]]] = {"forward": run_op, "backward": run_op_backward}
 
 
 @functools.cache
