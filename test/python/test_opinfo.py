@@ -121,14 +121,11 @@ def _subset() -> list[str]:
     return sorted(chosen)
 
 
-def _params() -> list:
+def _params(names: list[str], xfail: dict[str, str]) -> list:
+    """One pytest param per op; known failures are strict xfails, so a fixed op fails its test."""
     params = []
-    for name in _subset():
-        marks = (
-            [pytest.mark.xfail(reason=XFAIL[name], strict=True, raises=AssertionError)]
-            if name in XFAIL
-            else []
-        )
+    for name in names:
+        marks = [pytest.mark.xfail(reason=xfail[name], strict=True, raises=AssertionError)] if name in xfail else []
         params.append(pytest.param(name, marks=marks, id=name))
     return params
 
@@ -166,7 +163,7 @@ def _check(name: str, mode: str, max_samples: int) -> None:
     )
 
 
-@pytest.mark.parametrize("name", _params())
+@pytest.mark.parametrize("name", _params(_subset(), XFAIL))
 def test_opinfo_forward(name: str) -> None:
     _check(name, "forward", MAX_SAMPLES)
 
@@ -186,15 +183,7 @@ def _backward_params() -> list:
     known = set(names)
     chosen = set(names[::BACKWARD_STRIDE]) | {n for n in IMPORTANT if n in known}
     chosen |= {n for n in XFAIL_BACKWARD if n in known}
-    params = []
-    for name in sorted(chosen):
-        marks = (
-            [pytest.mark.xfail(reason=XFAIL_BACKWARD[name], strict=True, raises=AssertionError)]
-            if name in XFAIL_BACKWARD
-            else []
-        )
-        params.append(pytest.param(name, marks=marks, id=name))
-    return params
+    return _params(sorted(chosen), XFAIL_BACKWARD)
 
 
 @pytest.mark.parametrize("name", _backward_params())
