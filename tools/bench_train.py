@@ -135,7 +135,7 @@ def gpt2_case() -> Case:
         return m(input_ids=b[0], labels=b[0]).loss
 
     return (model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), batch, loss,
-            f"transformers {transformers.__version__}, 2 layers, d=128, batch 8x64, AdamW")
+            f"transformers {transformers.__version__}, 2 layers, d=128, dropout 0.1, batch 8x64, AdamW")
 
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, ...],
@@ -183,11 +183,12 @@ def bench(case: Case, warmup: int, reps: int, agg: Callable[[list[float]], float
     st = torch_lazymem.stats()
     eager_state = list(model.state_dict().values())
     lazy_state = [v.cpu() for v in lazy_model.state_dict().values()]
-    equal = losses["eager"] == losses["lazy"] and all(
-        torch.equal(a, b) for a, b in zip(eager_state, lazy_state)) and len(eager_state) == len(lazy_state)
+    equal = (losses["eager"] == losses["lazy"] and len(eager_state) == len(lazy_state)
+             and all(torch.equal(a, b) for a, b in zip(eager_state, lazy_state)))
     return {"desc": desc, "equal": equal, "loss": (losses["eager"][-1], losses["lazy"][-1]),
             "faults": {k: v / reps for k, v in flt.items()},
-            "stats": {k: v / reps for k, v in st.items() if k not in ("pending_nodes", "peak_bytes")}, **{k: agg(v) for k, v in t.items()}}
+            "stats": {k: v / reps for k, v in st.items() if k not in ("pending_nodes", "peak_bytes")},
+            **{k: agg(v) for k, v in t.items()}}
 
 
 def print_table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
@@ -252,6 +253,8 @@ def main() -> None:
                         f"{r['loss'][1]:.6f}", r["desc"]))
     print_table(("model", "eager ms", "lazymem ms", "ratio", "goal", "ok", "lazy record / replay ms",
                  "bitwise equal"), rows)
+    print("(lazymem replay = the .item(): this step's forward plus the previous step's backward and update, "
+          "which the loss does not need and which stay pending until then)")
     print()
     print("per lazymem step (timed steps):")
     print_table(("model", "ops recorded", "nodes run", "eliminated", "meta hit/miss", "outputs copied",
