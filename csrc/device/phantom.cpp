@@ -10,16 +10,13 @@
 namespace lazymem {
 namespace {
 
-struct BufferHandle {
-  BufferPtr buf;
-};
-
-// No locks here: the deleter runs wherever the last storage reference drops (Python dealloc with
-// the GIL held, or inside a flush); it only marks the buffer dead and drops a reference.
+// The DataPtr context is the LazyBuffer itself, holding one reference. No locks here: the deleter
+// runs wherever the last storage reference drops (Python dealloc with the GIL held, or inside a
+// flush); it only marks the buffer dead and drops its reference.
 void delete_handle(void* ctx) {
-  auto* h = static_cast<BufferHandle*>(ctx);
-  h->buf->storage_alive.store(false, std::memory_order_release);
-  delete h;
+  auto* b = static_cast<LazyBuffer*>(ctx);
+  b->storage_alive.store(false, std::memory_order_release);
+  c10::intrusive_ptr<LazyBuffer>::reclaim(b); // drops the DataPtr's reference
 }
 
 class AddressSpace {
@@ -59,9 +56,8 @@ AddressSpace& address_space() {
 class PhantomAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
-    auto* h = new BufferHandle{c10::make_intrusive<LazyBuffer>(nbytes)};
-    return {address_space().next(nbytes), h, &delete_handle,
-            c10::Device(c10::DeviceType::PrivateUse1, 0)};
+    LazyBuffer* b = c10::make_intrusive<LazyBuffer>(nbytes).release();
+    return {address_space().next(nbytes), b, &delete_handle, c10::Device(c10::DeviceType::PrivateUse1, 0)};
   }
   c10::DeleterFnPtr raw_deleter() const override {
     return nullptr; // context != data: raw allocation is not supported
@@ -86,7 +82,7 @@ c10::Allocator* phantom_allocator() {
 LazyBuffer* buffer_of(const c10::StorageImpl& s) {
   const c10::DataPtr& dp = s.data_ptr();
   if (dp.get_deleter() != &delete_handle) return nullptr;
-  return static_cast<BufferHandle*>(dp.get_context())->buf.get();
+  return static_cast<LazyBuffer*>(dp.get_context());
 }
 
 c10::intrusive_ptr<c10::StorageImpl> make_phantom_storage(size_t nbytes) {

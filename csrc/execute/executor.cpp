@@ -41,7 +41,7 @@ const c10::IValue& ret_value(const torch::jit::Stack& stack, const Def& d, c10::
 }
 
 bool full_overwrite(const Use& u) {
-  return u.write && u.write_only && u.ref.meta.covers(u.ref.buf->nbytes.load());
+  return u.full_overwrite();
 }
 
 // Ops without a Generator argument draw from the backing device's default generator: lend it this
@@ -90,7 +90,9 @@ void dispatch(Node& n, torch::jit::Stack& stack) {
   }
 }
 
-void adopt_or_copy(const Def& d, const at::Tensor& r, std::vector<const c10::StorageImpl*>& taken, bool placeholder) {
+using Taken = c10::SmallVector<const c10::StorageImpl*, 8>;
+
+void adopt_or_copy(const Def& d, const at::Tensor& r, Taken& taken, bool placeholder) {
   LazyBuffer& b = *d.ref.buf;
   const TensorMeta& m = d.ref.meta;
   LAZYMEM_INTERNAL_ASSERT(r.defined(), "kernel returned an undefined tensor where meta inference promised ",
@@ -131,11 +133,11 @@ void adopt_or_copy(const Def& d, const at::Tensor& r, std::vector<const c10::Sto
   real_view(b, m).copy_(r);
 }
 
-void run_node(Node& n) {
-  torch::jit::Stack stack;
-  stack.reserve(n.args.size());
+// `stack` is the caller's, reused from node to node (it keeps its capacity).
+void run_node(Node& n, torch::jit::Stack& stack) {
+  stack.clear();
   for (const auto& a : n.args) stack.push_back(copy_if_list(a));
-  std::vector<const c10::StorageImpl*> taken;
+  Taken taken;
   for (const Use& u : n.uses) {
     LazyBuffer& b = *u.ref.buf;
     if (!full_overwrite(u)) {
@@ -170,6 +172,7 @@ void run_node(Node& n) {
     u.ref.buf->real_version = u.write_version;
     if (full_overwrite(u)) u.ref.buf->poison = nullptr;
   }
+  stack.clear(); // drop the real views and results now: buffers are released right after their last use
 }
 
 std::exception_ptr input_poison(const Node& n) {
@@ -240,13 +243,14 @@ void execute_segment(Segment& seg) {
     }
   };
 
+  torch::jit::Stack stack;
   for (size_t p = 0; p < s.run.size(); ++p) {
     Node& n = *seg.nodes[s.run[p]];
     if (std::exception_ptr poison = input_poison(n)) {
       poison_outputs(n, poison);
     } else {
       try {
-        run_node(n);
+        run_node(n, stack);
         ++executed;
       } catch (const c10::OutOfMemoryError& e) {
         std::vector<NodePtr> rest;

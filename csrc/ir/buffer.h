@@ -28,6 +28,7 @@ struct LazyBuffer : c10::intrusive_ptr_target {
   // --- guarded by Program's mutex ---
   uint32_t version = 0;          // latest recorded version; 0 = allocated, never written
   uint64_t last_writer_seq = 0;  // seq of the latest node that writes this buffer (maybe executed)
+  uint64_t live_epoch = 0;       // epoch of the last detached segment whose live-out set holds it
 
   // --- written only by the thread holding the flush mutex ---
   c10::Storage real;             // data on the backing device, holding version real_version

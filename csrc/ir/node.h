@@ -53,6 +53,12 @@ struct Use {
   bool write = false;          // the op writes through this argument (in-place / out=)
   bool write_only = false;     // ...and does not read its previous contents (out=, fill_, copy_ dst)
   uint32_t write_version = 0;  // version produced by the write (assigned at append)
+  size_t covered_nbytes = 0;   // buffer size the view densely covers from offset 0 (0 if it does not)
+
+  // A write that replaces the buffer's whole value (earlier versions are not needed by it).
+  bool full_overwrite() const {
+    return write && write_only && covered_nbytes != 0 && covered_nbytes == ref.buf->nbytes.load(std::memory_order_relaxed);
+  }
 };
 
 // A functional output: return position `ret` (and list position `elem`, or -1), a fresh buffer.

@@ -1,6 +1,7 @@
 // ir: the pending program.
 #include "ir/program.h"
 
+#include <atomic>
 #include <sstream>
 #include <unordered_map>
 
@@ -24,7 +25,11 @@ uint64_t Program::append(NodePtr node) {
   uint64_t seq = next_seq_++;
   node->seq = seq;
   // Reads first, so an argument that is both read and written (add_(x, x)) reads the old version.
-  for (auto& u : node->uses) u.ref.version = u.ref.buf->version;
+  for (auto& u : node->uses) {
+    u.ref.version = u.ref.buf->version;
+    size_t nbytes = u.ref.buf->nbytes.load(std::memory_order_relaxed);
+    if (u.write_only && u.ref.meta.covers(nbytes)) u.covered_nbytes = nbytes;
+  }
   for (auto& u : node->uses) {
     if (!u.write) continue;
     u.write_version = ++u.ref.buf->version;
@@ -76,16 +81,18 @@ Segment Program::take_prefix(uint64_t upto) {
     pending_.pop_front();
   }
   if (seg.nodes.empty()) return seg;
+  static std::atomic<uint64_t> epochs{0};
+  seg.epoch = epochs.fetch_add(1, std::memory_order_relaxed) + 1;
   for (const auto& n : pending_) {
     for (const auto& u : n->uses) {
       // A pending full overwrite does not need the old value; anything else does.
-      if (!(u.write_only && u.ref.meta.covers(u.ref.buf->nbytes.load()))) {
-        seg.live_out.insert(u.ref.buf.get());
+      if (!(u.write_only && u.covered_nbytes && u.covered_nbytes == u.ref.buf->nbytes.load())) {
+        u.ref.buf->live_epoch = seg.epoch;
       }
     }
   }
-  auto note_alive = [&](const LazyBuffer* b) {
-    if (b->storage_alive.load(std::memory_order_acquire)) seg.live_out.insert(b);
+  auto note_alive = [&](LazyBuffer* b) {
+    if (b->storage_alive.load(std::memory_order_acquire)) b->live_epoch = seg.epoch;
   };
   for (const auto& n : seg.nodes) {
     for (const auto& d : n->defs) note_alive(d.ref.buf.get());

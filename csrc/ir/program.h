@@ -7,7 +7,6 @@
 #include <deque>
 #include <mutex>
 #include <string>
-#include <unordered_set>
 #include <vector>
 
 #include "ir/node.h"
@@ -20,9 +19,11 @@ struct Segment {
   // read by a node that stayed pending, or still named by a tensor. The snapshot matters: a node
   // recorded after the cut may read a buffer whose last tensor dies before the segment is planned,
   // but that buffer was necessarily alive at the cut (storages never come back to life).
-  std::unordered_set<const LazyBuffer*> live_out;
+  // The set is kept as an epoch stamp on each buffer (no allocation): take_prefix stamps the live
+  // buffers with a fresh epoch under the program lock. Valid while the segment is being executed.
+  uint64_t epoch = 0;
   bool is_live_out(const LazyBuffer& b) const {
-    return live_out.count(&b) > 0;
+    return b.live_epoch == epoch;
   }
 };
 

@@ -118,13 +118,22 @@ OpRules compute(const c10::OperatorHandle& op) {
 } // namespace
 
 const OpRules& op_rules(const c10::OperatorHandle& op) {
+  // A per-thread front (no lock on the recording hot path) over the shared table; entries are never
+  // removed, so the pointers stay valid.
+  thread_local std::unordered_map<const c10::FunctionSchema*, const OpRules*> local;
+  const c10::FunctionSchema* key = &op.schema();
+  auto hit = local.find(key);
+  if (hit != local.end()) return *hit->second;
   static std::mutex mu;
   static auto* cache = new std::unordered_map<const c10::FunctionSchema*, OpRules>();
-  const c10::FunctionSchema* key = &op.schema();
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache->find(key);
-  if (it != cache->end()) return it->second;
-  return cache->emplace(key, compute(op)).first->second;
+  const OpRules* rules = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache->find(key);
+    rules = it != cache->end() ? &it->second : &cache->emplace(key, compute(op)).first->second;
+  }
+  local.emplace(key, rules);
+  return *rules;
 }
 
 } // namespace lazymem

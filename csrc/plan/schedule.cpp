@@ -3,33 +3,45 @@
 
 #include <sstream>
 #include <unordered_map>
-#include <unordered_set>
+#include <algorithm>
 
 namespace lazymem {
 namespace {
 
-// Needed versions per buffer: small sets, usually one or two entries.
-class NeedSet {
+// Dense numbering of the segment's buffers, so the passes below use vectors instead of hash maps.
+class BufferIndex {
  public:
-  void add(const LazyBuffer* b, uint32_t v) {
-    if (v == 0) return; // version 0 is the uninitialized allocation: nothing computes it
-    auto& vs = need_[b];
-    for (uint32_t x : vs) {
-      if (x == v) return;
-    }
-    vs.push_back(v);
+  explicit BufferIndex(size_t expected) {
+    index_.reserve(expected);
+    buffers_.reserve(expected);
   }
-  bool has(const LazyBuffer* b, uint32_t v) const {
-    auto it = need_.find(b);
-    if (it == need_.end()) return false;
-    for (uint32_t x : it->second) {
-      if (x == v) return true;
-    }
-    return false;
+  int32_t of(LazyBuffer* b) {
+    auto [it, inserted] = index_.emplace(b, static_cast<int32_t>(buffers_.size()));
+    if (inserted) buffers_.push_back(b);
+    return it->second;
+  }
+  size_t size() const {
+    return buffers_.size();
+  }
+  LazyBuffer* at(size_t i) const {
+    return buffers_[i];
   }
 
  private:
-  std::unordered_map<const LazyBuffer*, c10::SmallVector<uint32_t, 2>> need_;
+  std::unordered_map<const LazyBuffer*, int32_t> index_;
+  std::vector<LazyBuffer*> buffers_;
+};
+
+// Needed versions of one buffer: a small set, usually one or two entries.
+struct Needs {
+  c10::SmallVector<uint32_t, 2> versions;
+  void add(uint32_t v) {
+    if (v == 0) return; // version 0 is the uninitialized allocation: nothing computes it
+    if (std::find(versions.begin(), versions.end(), v) == versions.end()) versions.push_back(v);
+  }
+  bool has(uint32_t v) const {
+    return std::find(versions.begin(), versions.end(), v) != versions.end();
+  }
 };
 
 } // namespace
@@ -39,24 +51,38 @@ Schedule plan_segment(const std::vector<const Node*>& nodes,
   Schedule s;
   const int32_t n = static_cast<int32_t>(nodes.size());
 
-  // The last version each buffer reaches inside the segment.
-  std::unordered_map<const LazyBuffer*, uint32_t> last_version;
-  for (const Node* node : nodes) {
-    for (const auto& d : node->defs) last_version[d.ref.buf.get()] = d.ref.version;
-    for (const auto& u : node->uses) {
-      if (u.write) {
-        auto& v = last_version[u.ref.buf.get()];
-        v = std::max(v, u.write_version);
-      }
+  // Number every buffer once; remember each ref's index (defs first, then uses, per node).
+  BufferIndex index(nodes.size() * 2);
+  std::vector<int32_t> def_ix, use_ix;
+  std::vector<int32_t> def_start(n + 1), use_start(n + 1);
+  for (int32_t i = 0; i < n; ++i) {
+    def_start[i] = static_cast<int32_t>(def_ix.size());
+    use_start[i] = static_cast<int32_t>(use_ix.size());
+    for (const auto& d : nodes[i]->defs) def_ix.push_back(index.of(d.ref.buf.get()));
+    for (const auto& u : nodes[i]->uses) use_ix.push_back(index.of(u.ref.buf.get()));
+  }
+  def_start[n] = static_cast<int32_t>(def_ix.size());
+  use_start[n] = static_cast<int32_t>(use_ix.size());
+  const size_t nb = index.size();
+
+  // The last version each buffer reaches inside the segment; live buffers need it.
+  std::vector<uint32_t> last_version(nb, 0);
+  for (int32_t i = 0; i < n; ++i) {
+    const Node* node = nodes[i];
+    for (size_t k = 0; k < node->defs.size(); ++k) {
+      last_version[def_ix[def_start[i] + k]] = node->defs[k].ref.version;
+    }
+    for (size_t k = 0; k < node->uses.size(); ++k) {
+      const Use& u = node->uses[k];
+      uint32_t& v = last_version[use_ix[use_start[i] + k]];
+      if (u.write) v = std::max(v, u.write_version);
     }
   }
-  NeedSet need;
-  std::unordered_set<const LazyBuffer*> kept;
-  for (const auto& [buf, v] : last_version) {
-    if (live_out(*buf)) {
-      need.add(buf, v);
-      kept.insert(buf);
-    }
+  std::vector<char> live(nb, 0);
+  std::vector<Needs> need(nb);
+  for (size_t b = 0; b < nb; ++b) {
+    live[b] = live_out(*index.at(b)) ? 1 : 0;
+    if (live[b]) need[b].add(last_version[b]);
   }
 
   // Backward pass: a node runs if it produces a needed version (or must run for its effect).
@@ -64,39 +90,42 @@ Schedule plan_segment(const std::vector<const Node*>& nodes,
   for (int32_t i = n - 1; i >= 0; --i) {
     const Node* node = nodes[i];
     bool needed = node->random || node->effectful;
-    for (const auto& d : node->defs) needed = needed || need.has(d.ref.buf.get(), d.ref.version);
-    for (const auto& u : node->uses) needed = needed || (u.write && need.has(u.ref.buf.get(), u.write_version));
+    for (size_t k = 0; k < node->defs.size() && !needed; ++k) {
+      needed = need[def_ix[def_start[i] + k]].has(node->defs[k].ref.version);
+    }
+    for (size_t k = 0; k < node->uses.size() && !needed; ++k) {
+      const Use& u = node->uses[k];
+      needed = u.write && need[use_ix[use_start[i] + k]].has(u.write_version);
+    }
     if (!needed) continue;
     runs[i] = 1;
-    for (const auto& u : node->uses) {
+    for (size_t k = 0; k < node->uses.size(); ++k) {
+      const Use& u = node->uses[k];
       // A read needs the version it reads; a partial write needs the rest of the buffer's old value.
-      bool full_overwrite = u.write && u.write_only && u.ref.meta.covers(u.ref.buf->nbytes.load());
-      if (!full_overwrite) need.add(u.ref.buf.get(), u.ref.version);
+      if (!u.full_overwrite()) need[use_ix[use_start[i] + k]].add(u.ref.version);
     }
   }
 
   // Forward pass: the run list and each buffer's last use among executed nodes.
-  std::unordered_map<LazyBuffer*, int32_t> last_use;
-  std::unordered_set<LazyBuffer*> mentioned;
+  std::vector<int32_t> last_use(nb, -1);
   for (int32_t i = 0; i < n; ++i) {
-    const Node* node = nodes[i];
-    for (const auto& d : node->defs) mentioned.insert(d.ref.buf.get());
-    for (const auto& u : node->uses) mentioned.insert(u.ref.buf.get());
     if (!runs[i]) {
       ++s.eliminated;
       continue;
     }
     int32_t pos = static_cast<int32_t>(s.run.size());
     s.run.push_back(i);
-    for (const auto& d : node->defs) last_use[d.ref.buf.get()] = pos;
-    for (const auto& u : node->uses) last_use[u.ref.buf.get()] = pos;
+    for (int32_t k = def_start[i]; k < def_start[i + 1]; ++k) last_use[def_ix[k]] = pos;
+    for (int32_t k = use_start[i]; k < use_start[i + 1]; ++k) last_use[use_ix[k]] = pos;
   }
   s.release.resize(s.run.size());
-  for (const auto& [buf, pos] : last_use) {
-    if (!kept.count(buf) && !live_out(*buf)) s.release[pos].push_back(buf);
-  }
-  for (LazyBuffer* buf : mentioned) {
-    if (!last_use.count(buf) && !live_out(*buf)) s.release_unused.push_back(buf);
+  for (size_t b = 0; b < nb; ++b) {
+    if (live[b]) continue;
+    if (last_use[b] >= 0) {
+      s.release[last_use[b]].push_back(index.at(b));
+    } else {
+      s.release_unused.push_back(index.at(b));
+    }
   }
   return s;
 }

@@ -1,6 +1,7 @@
 // record: meta mirrors and the inference cache.
 #include "record/meta.h"
 
+#include <atomic>
 #include <mutex>
 #include <unordered_map>
 
@@ -17,9 +18,31 @@ namespace {
 using Cache = std::unordered_map<CallKey, std::shared_ptr<const MetaResult>, CallKeyHash>;
 
 std::mutex g_cache_mu;
+std::atomic<uint64_t> g_cache_generation{0}; // bumped by clears, so per-thread fronts drop their copies
 Cache& cache() {
   static Cache* c = new Cache();
   return *c;
+}
+
+// Per-thread front of the shared cache: hits on the recording hot path take no lock.
+struct LocalCache {
+  Cache entries;
+  uint64_t generation = 0;
+  Cache& current() {
+    uint64_t g = g_cache_generation.load(std::memory_order_acquire);
+    if (g != generation) {
+      entries.clear();
+      generation = g;
+    }
+    return entries;
+  }
+};
+thread_local LocalCache t_cache;
+
+void remember_locally(const CallKey& key, const std::shared_ptr<const MetaResult>& r) {
+  Cache& local = t_cache.current();
+  if (local.size() >= config().meta_cache_capacity.load(std::memory_order_relaxed)) local.clear();
+  local.emplace(key, r);
 }
 
 constexpr c10::DispatchKeySet kExcludedDuringMeta =
@@ -185,20 +208,37 @@ std::shared_ptr<const MetaResult> run_meta(Call& call) {
 
 std::shared_ptr<const MetaResult> infer_meta(Call& call) {
   if (call.cacheable) {
-    std::lock_guard<std::mutex> lock(g_cache_mu);
-    auto it = cache().find(call.key);
-    if (it != cache().end()) {
+    Cache& local = t_cache.current();
+    auto hit = local.find(call.key);
+    if (hit != local.end()) {
       stats().meta_cache_hits.fetch_add(1, std::memory_order_relaxed);
-      return it->second;
+      return hit->second;
+    }
+    std::shared_ptr<const MetaResult> shared;
+    {
+      std::lock_guard<std::mutex> lock(g_cache_mu);
+      auto it = cache().find(call.key);
+      if (it != cache().end()) shared = it->second;
+    }
+    if (shared) {
+      remember_locally(call.key, shared);
+      stats().meta_cache_hits.fetch_add(1, std::memory_order_relaxed);
+      return shared;
     }
   }
   stats().meta_cache_misses.fetch_add(1, std::memory_order_relaxed);
   // No lock is held here: meta kernels written in Python take the GIL.
   std::shared_ptr<const MetaResult> r = run_meta(call);
   if (r && call.cacheable) {
-    std::lock_guard<std::mutex> lock(g_cache_mu);
-    if (cache().size() >= config().meta_cache_capacity.load()) cache().clear();
-    cache().emplace(call.key, r);
+    {
+      std::lock_guard<std::mutex> lock(g_cache_mu);
+      if (cache().size() >= config().meta_cache_capacity.load()) {
+        cache().clear();
+        g_cache_generation.fetch_add(1, std::memory_order_release);
+      }
+      cache().emplace(call.key, r);
+    }
+    remember_locally(call.key, r);
   }
   return r;
 }
@@ -206,6 +246,7 @@ std::shared_ptr<const MetaResult> infer_meta(Call& call) {
 void clear_meta_cache() {
   std::lock_guard<std::mutex> lock(g_cache_mu);
   cache().clear();
+  g_cache_generation.fetch_add(1, std::memory_order_release);
 }
 
 size_t meta_cache_size() {
