@@ -154,9 +154,9 @@ def mem_get_info(device: Any = None) -> tuple[int, int]:
     """(free, total) bytes of the simulated device when a capacity is set."""
     cap = int(_C._device_capacity())
     used = memory_allocated(device)
-    if cap < 0:
-        import psutil  # noqa: PLC0415
+    if cap < 0:  # the plain CPU backing device: the host's memory
+        import os  # noqa: PLC0415
 
-        vm = psutil.virtual_memory()
-        return int(vm.available), int(vm.total)
+        page = os.sysconf("SC_PAGE_SIZE")
+        return int(os.sysconf("SC_AVPHYS_PAGES") * page), int(os.sysconf("SC_PHYS_PAGES") * page)
     return max(cap - used, 0), cap

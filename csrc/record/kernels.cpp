@@ -314,10 +314,6 @@ TORCH_LIBRARY_IMPL(_, AutogradPrivateUse1, m) {
   m.fallback(torch::autograd::autogradNotImplementedFallback());
 }
 
-TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) {
-  m.fallback(torch::CppFunction::makeFallthrough());
-}
-
 // The conjugate/negative-bit fallbacks resolve their bit by cloning, and a clone of a lazymem tensor
 // copies through _copy_from again: endless recursion. _copy_from handles both bits itself (the
 // recorded copy_ and the download both see the bit), so let it fall through.

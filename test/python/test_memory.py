@@ -60,6 +60,8 @@ def chain(device: str) -> torch.Tensor:
 
 def test_simulated_device_oom_loses_nothing():
     with simulated_device("40MiB"):
+        free, total = torch.lazymem.mem_get_info()
+        assert total == 40 * MiB and free == total - torch.lazymem.memory_allocated()
         y = chain("lazymem")
         with pytest.raises(torch.OutOfMemoryError, match="lazymem: out of memory while materializing.*Nothing was lost"):
             y.item()

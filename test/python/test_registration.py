@@ -29,6 +29,8 @@ def test_device_module_api():
     assert m.max_memory_allocated() >= m.memory_allocated()
     m.reset_peak_memory_stats()
     assert m.max_memory_allocated() == m.memory_allocated()
+    free, total = m.mem_get_info()
+    assert 0 < free <= total
 
 
 def test_device_index_out_of_range():
