@@ -48,6 +48,7 @@ def test_training_loop_without_reads_is_bounded(threshold):
     torch_lazymem.set_flush_threshold(nodes=300)
     gc.collect()
     base = torch.lazymem.memory_allocated()
+    buffers = torch_lazymem._C._buffers_alive()
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).to("lazymem")
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for _ in range(50):
@@ -60,6 +61,7 @@ def test_training_loop_without_reads_is_bounded(threshold):
     del model, opt
     gc.collect()
     assert torch.lazymem.memory_allocated() == base
+    assert torch_lazymem._C._buffers_alive() == buffers  # no buffer (or node) leaks
 
 
 def test_sync_is_a_step_marker():
