@@ -28,6 +28,9 @@ struct OpRules {
   // Has a CompositeExplicitAutogradNonFunctional kernel: a structured op whose C++ meta function is
   // the one eager runs (same checks, same messages), while the Meta key may hold a Python meta kernel.
   bool structured = false;
+  // Floating-point arguments cannot change the output metadata (pointwise ops, _foreach_ ops): the
+  // meta cache keys them by type only, so AdamW's per-step scalars do not miss every step.
+  bool float_values_shape_free = false;
   // Some outputs are placeholders whose shape differs between meta inference and the CPU kernel
   // (native_batch_norm's saved statistics in eval mode): tolerated, values left uninitialized.
   bool placeholder_outputs = false;

@@ -94,15 +94,20 @@ struct Analyzer {
                 " tensor with .to('lazymem') first)");
   }
 
+  // A floating-point value: by value, or by type only where values cannot change output metadata.
+  void fp(double d) {
+    if (!call.rules.float_values_shape_free) w(bits(d));
+  }
+
   void scalar(const c10::Scalar& s) {
     if (s.isComplex()) {
       auto c = s.toComplexDouble();
       w(kScalarComplex);
-      w(bits(c.real()));
-      w(bits(c.imag()));
+      fp(c.real());
+      fp(c.imag());
     } else if (s.isFloatingPoint()) {
       w(kScalarDouble);
-      w(bits(s.toDouble()));
+      fp(s.toDouble());
     } else if (s.isBoolean()) {
       w(kScalarBool);
       w(s.toBool());
@@ -124,7 +129,7 @@ struct Analyzer {
       w(v.toInt());
     } else if (v.isDouble()) {
       w(kDouble);
-      w(bits(v.toDouble()));
+      fp(v.toDouble());
     } else if (v.isBool()) {
       w(kBool);
       w(v.toBool());
@@ -155,7 +160,7 @@ struct Analyzer {
       auto l = v.toDoubleList();
       w(kDoubleList);
       w(static_cast<int64_t>(l.size()));
-      for (double x : l) w(bits(x));
+      for (double x : l) fp(x);
     } else if (v.isBoolList()) {
       auto l = v.toBoolList();
       w(kBoolList);

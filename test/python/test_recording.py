@@ -39,6 +39,19 @@ def test_meta_inference_is_cached():
     assert s["meta_cache_misses"] <= 1
 
 
+def test_float_arguments_key_by_value_only_where_they_shape_outputs():
+    x = torch.randn(2, 3, 4, 4, device="lazymem")
+    x.mul(1.5)
+    torch_lazymem.reset_stats()
+    for i in range(5):
+        x.mul(1.0 + i)  # pointwise: the value cannot change the output's metadata
+        torch._foreach_add_([x], 0.25 * i)
+    assert torch_lazymem.stats()["meta_cache_misses"] == 0
+    shapes = {torch.nn.functional.interpolate(x, scale_factor=s).shape for s in (1.5, 2.0, 2.5)}
+    assert len(shapes) == 3  # scale factors shape the output: keyed by value
+    assert torch_lazymem.stats()["meta_cache_misses"] >= 3
+
+
 def test_cache_key_sees_aliasing():
     torch.manual_seed(0)
     a = torch.randn(4)
