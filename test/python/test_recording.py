@@ -42,6 +42,7 @@ def test_meta_inference_is_cached():
 def test_float_arguments_key_by_value_only_where_they_shape_outputs():
     x = torch.randn(2, 3, 4, 4, device="lazymem")
     x.mul(1.5)
+    torch._foreach_add_([x], 0.5)
     torch_lazymem.reset_stats()
     for i in range(5):
         x.mul(1.0 + i)  # pointwise: the value cannot change the output's metadata
