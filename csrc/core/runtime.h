@@ -8,8 +8,17 @@
 
 #include <c10/core/Device.h>
 #include <c10/core/DispatchKey.h>
+#include <c10/core/DispatchKeySet.h>
 
 namespace lazymem {
+
+// The keys above a backend that lazymem excludes whenever it runs ops itself (meta inference,
+// replay, snapshots, downloads): the recorded ops are already below autograd, autocast and Python
+// modes, and functorch/functionalization must not wrap them again.
+constexpr c10::DispatchKeySet kAboveBackendKeys = c10::autograd_dispatch_keyset_with_ADInplaceOrView |
+    c10::autocast_dispatch_keyset | c10::python_ks |
+    c10::DispatchKeySet({c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchDynamicLayerFrontMode,
+                         c10::DispatchKey::FuncTorchDynamicLayerBackMode, c10::DispatchKey::PreDispatch});
 
 // The real device the program runs on: CUDA when present at first use, CPU otherwise.
 c10::Device backing_device();

@@ -40,10 +40,6 @@ const c10::IValue& ret_value(const torch::jit::Stack& stack, const Def& d, c10::
   return scratch;
 }
 
-bool full_overwrite(const Use& u) {
-  return u.full_overwrite();
-}
-
 // Ops without a Generator argument draw from the backing device's default generator: lend it this
 // node's generator state for the duration of the kernel.
 class DefaultGeneratorLoan {
@@ -70,25 +66,6 @@ class DefaultGeneratorLoan {
   at::Generator def_;
   at::Generator saved_;
 };
-
-// The caller holds a ReplayScope (and a device guard for non-CPU backing devices).
-void dispatch(Node& n, torch::jit::Stack& stack) {
-  const c10::DispatchKeySet ks(backing_key());
-  c10::AutoGradMode grad_mode(n.grad_mode); // kernels that read GradMode see the record-time mode
-  if (!n.random) {
-    n.op.redispatchBoxed(ks, &stack);
-    return;
-  }
-  auto* gen = static_cast<LazyGenerator*>(n.generator.get());
-  at::Generator ours = gen->backing();
-  if (n.generator_arg >= 0) {
-    stack[n.generator_arg] = c10::IValue(ours);
-    n.op.redispatchBoxed(ks, &stack);
-  } else {
-    DefaultGeneratorLoan loan(ours);
-    n.op.redispatchBoxed(ks, &stack);
-  }
-}
 
 using Taken = c10::SmallVector<const c10::StorageImpl*, 8>;
 
@@ -140,7 +117,7 @@ void run_node(Node& n, torch::jit::Stack& stack) {
   Taken taken;
   for (const Use& u : n.uses) {
     LazyBuffer& b = *u.ref.buf;
-    if (!full_overwrite(u)) {
+    if (!u.full_overwrite()) {
       LAZYMEM_INTERNAL_ASSERT(b.has_real() ? b.real_version == u.ref.version : u.ref.version == 0,
                               n.describe(), " reads b", b.id, " version ", u.ref.version,
                               " but the executor holds version ", b.real_version,
@@ -150,10 +127,8 @@ void run_node(Node& n, torch::jit::Stack& stack) {
     taken.push_back(b.real.unsafeGetStorageImpl());
     place(stack, u, real_view(u.ref));
   }
-  for (int32_t d : n.device_args) {
-    if (!stack[d].isNone()) stack[d] = c10::IValue(backing_device());
-  }
-  dispatch(n, stack);
+  redispatch_on_backing(n.op, stack, 0, n.device_args, n.generator_arg,
+                        static_cast<LazyGenerator*>(n.generator.get()), n.grad_mode);
   c10::IValue scratch;
   const bool placeholder = op_rules(n.op).placeholder_outputs;
   for (const Def& d : n.defs) {
@@ -170,14 +145,14 @@ void run_node(Node& n, torch::jit::Stack& stack) {
   for (const Use& u : n.uses) {
     if (!u.write) continue;
     u.ref.buf->real_version = u.write_version;
-    if (full_overwrite(u)) u.ref.buf->poison = nullptr;
+    if (u.full_overwrite()) u.ref.buf->poison = nullptr;
   }
   stack.clear(); // drop the real views and results now: buffers are released right after their last use
 }
 
 std::exception_ptr input_poison(const Node& n) {
   for (const Use& u : n.uses) {
-    if (u.ref.buf->poison && !full_overwrite(u)) return u.ref.buf->poison;
+    if (u.ref.buf->poison && !u.full_overwrite()) return u.ref.buf->poison;
   }
   return nullptr;
 }
@@ -194,6 +169,28 @@ std::string failure_prefix(const Node& n) {
 }
 
 } // namespace
+
+void redispatch_on_backing(const c10::OperatorHandle& op, torch::jit::Stack& stack, size_t first,
+                           c10::ArrayRef<int32_t> device_args, int32_t generator_arg, LazyGenerator* gen,
+                           bool grad_mode) {
+  for (int32_t d : device_args) {
+    if (!stack[first + d].isNone()) stack[first + d] = c10::IValue(backing_device());
+  }
+  c10::AutoGradMode grad(grad_mode);
+  const c10::DispatchKeySet ks(backing_key());
+  if (!gen) {
+    op.redispatchBoxed(ks, &stack);
+    return;
+  }
+  at::Generator ours = gen->backing();
+  if (generator_arg >= 0) {
+    stack[first + generator_arg] = c10::IValue(ours);
+    op.redispatchBoxed(ks, &stack);
+  } else {
+    DefaultGeneratorLoan loan(ours);
+    op.redispatchBoxed(ks, &stack);
+  }
+}
 
 std::exception_ptr annotate_node_error(const std::exception& e, const std::string& prefix) {
   const c10::SourceLocation loc{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};

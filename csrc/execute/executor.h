@@ -13,12 +13,21 @@
 #include <cstdint>
 #include <string>
 
+#include "device/generator.h"
 #include "ir/program.h"
 
 namespace lazymem {
 
 // Plans and runs a detached segment. Caller holds the flush lock.
 void execute_segment(Segment& seg);
+
+// Runs `op` on the backing device with its arguments at stack[first...]: Device arguments become the
+// backing device; a random op (gen != nullptr) draws from gen's backing generator, through its
+// Generator argument or by lending that state to the backing default generator; kernels that read
+// GradMode see `grad_mode`. Used by replay and by the eager path. The caller holds a ReplayScope.
+void redispatch_on_backing(const c10::OperatorHandle& op, torch::jit::Stack& stack, size_t first,
+                           c10::ArrayRef<int32_t> device_args, int32_t generator_arg, LazyGenerator* gen,
+                           bool grad_mode);
 
 // Annotates an exception thrown by `node`'s kernel with the op and its recording site, keeping the
 // exception's type (IndexError stays IndexError, OutOfMemoryError stays OutOfMemoryError).

@@ -7,14 +7,10 @@
 
 #include "core/check.h"
 #include "core/runtime.h"
+#include "device/phantom.h"
 
 namespace lazymem {
 namespace {
-
-constexpr c10::DispatchKeySet kExcludedDuringReplay =
-    c10::autograd_dispatch_keyset_with_ADInplaceOrView | c10::autocast_dispatch_keyset | c10::python_ks |
-    c10::DispatchKeySet({c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchDynamicLayerFrontMode,
-                         c10::DispatchKey::FuncTorchDynamicLayerBackMode, c10::DispatchKey::PreDispatch});
 
 MemoryCounter* counter_for_backing() {
   return backing_device().is_cpu() ? &device_counter() : nullptr;
@@ -22,7 +18,7 @@ MemoryCounter* counter_for_backing() {
 
 } // namespace
 
-ReplayScope::ReplayScope() : exclude_(kExcludedDuringReplay), counting_(counter_for_backing()) {}
+ReplayScope::ReplayScope() : exclude_(kAboveBackendKeys), counting_(counter_for_backing()) {}
 
 c10::Storage allocate_real(size_t nbytes) {
   c10::Device dev = backing_device();
@@ -62,6 +58,18 @@ at::Tensor real_view(LazyBuffer& b, const TensorMeta& meta) {
       c10::Storage(b.real), c10::DispatchKeySet(backing_key()), caffe2::TypeMeta::fromScalarType(meta.dtype));
   meta.apply_to(*impl);
   return at::Tensor(std::move(impl));
+}
+
+} // namespace lazymem
+
+namespace lazymem {
+
+at::Tensor real_view_of(const at::Tensor& lazy) {
+  LazyBuffer* b = buffer_of(lazy);
+  LAZYMEM_CHECK(b != nullptr, "expected a lazymem tensor, got a tensor on ", lazy.device());
+  TensorMeta meta = TensorMeta::of(*lazy.unsafeGetTensorImpl());
+  ensure_real(*b, meta.extent_bytes());
+  return real_view(*b, meta);
 }
 
 } // namespace lazymem

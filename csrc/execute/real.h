@@ -33,5 +33,8 @@ at::Tensor real_view(LazyBuffer& b, const TensorMeta& meta);
 inline at::Tensor real_view(const TensorRef& r) {
   return real_view(*r.buf, r.meta);
 }
+// The backing-device view of a lazymem tensor's current value (its buffer must already be
+// materialized, or at version 0). The caller holds the flush lock while it uses the view.
+at::Tensor real_view_of(const at::Tensor& lazy);
 
 } // namespace lazymem

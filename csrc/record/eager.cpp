@@ -3,12 +3,14 @@
 // writes, since pending readers must see the old values), runs the op on the backing device now,
 // and wraps its results as lazymem tensors whose buffers already hold real data.
 #include <ATen/core/Tensor.h>
+#include <c10/core/GradMode.h>
 
 #include "core/check.h"
 #include "core/config.h"
 #include "core/runtime.h"
 #include "device/generator.h"
 #include "device/phantom.h"
+#include "execute/executor.h"
 #include "execute/materialize.h"
 #include "execute/real.h"
 #include "ir/program.h"
@@ -92,17 +94,16 @@ void run_eager(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     args.push_back({i, e, t, at::Tensor(), w});
     bufs.push_back(b);
   });
-  if (writes) {
-    flush_all(); // pending readers of the written buffers must run before the write
+  if (writes || rules.random) {
+    // Pending readers of the written buffers must run before the write, and pending draws from the
+    // generator before this one.
+    flush_all();
   }
   materialize(bufs);
 
   auto lock = lock_flush();
   for (auto& a : args) {
-    LazyBuffer* b = buffer_of(a.lazy);
-    TensorMeta meta = TensorMeta::of(*a.lazy.unsafeGetTensorImpl());
-    ensure_real(*b, meta.extent_bytes());
-    a.real = real_view(*b, meta);
+    a.real = real_view_of(a.lazy);
     c10::IValue& slot = (*stack)[first + a.arg];
     if (a.elem < 0) {
       slot = a.real;
@@ -112,18 +113,16 @@ void run_eager(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       slot = c10::IValue(l);
     }
   }
-  for (int32_t d : rules.device_args) {
-    c10::IValue& slot = (*stack)[first + d];
-    if (!slot.isNone()) slot = c10::IValue(backing_device());
-  }
-  if (rules.generator_arg >= 0) {
-    c10::IValue& slot = (*stack)[first + rules.generator_arg];
-    at::Generator g = slot.isNone() ? default_lazy_generator() : slot.toGenerator();
-    slot = c10::IValue(lazy_generator_of(g, schema.name().c_str())->backing());
+  LazyGenerator* gen = nullptr;
+  if (rules.random) {
+    bool given = rules.generator_arg >= 0 && !(*stack)[first + rules.generator_arg].isNone();
+    gen = lazy_generator_of(given ? (*stack)[first + rules.generator_arg].toGenerator() : default_lazy_generator(),
+                            schema.name().c_str());
   }
   {
     ReplayScope scope;
-    op.redispatchBoxed(c10::DispatchKeySet(backing_key()), stack);
+    redispatch_on_backing(op, *stack, first, rules.device_args, rules.generator_arg, gen,
+                          c10::GradMode::is_enabled());
   }
   // Written arguments: new versions, already applied to real data; geometry changes (out= resize).
   for (auto& a : args) {

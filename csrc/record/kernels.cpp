@@ -26,9 +26,6 @@
 namespace lazymem {
 namespace {
 
-constexpr c10::DispatchKeySet kBelowAutograd =
-    c10::autograd_dispatch_keyset_with_ADInplaceOrView | c10::autocast_dispatch_keyset | c10::python_ks;
-
 void check_device(std::optional<c10::Device> d, const char* op) {
   if (d && d->has_index()) {
     LAZYMEM_CHECK(d->index() == 0, op, ": device index ", static_cast<int>(d->index()),
@@ -134,13 +131,10 @@ void record_copy(const at::Tensor& dst, const at::Tensor& src, bool non_blocking
 
 // Reads a lazymem tensor into a tensor on another device (the download of every sync point).
 void read_into(const at::Tensor& lazy, const at::Tensor& dst, bool non_blocking) {
-  LazyBuffer* b = buffer_of(lazy);
-  materialize({b});
+  materialize({buffer_of(lazy)});
   auto lock = lock_flush();
-  TensorMeta meta = TensorMeta::of(*lazy.unsafeGetTensorImpl());
-  ensure_real(*b, meta.extent_bytes());
-  c10::impl::ExcludeDispatchKeyGuard guard(kBelowAutograd);
-  dst.copy_(real_view(*b, meta), non_blocking);
+  c10::impl::ExcludeDispatchKeyGuard guard(kAboveBackendKeys);
+  dst.copy_(real_view_of(lazy), non_blocking);
 }
 
 at::Tensor lazy_copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
@@ -157,20 +151,17 @@ at::Tensor lazy_copy_from_and_resize(const at::Tensor& self, const at::Tensor& d
   if (is_lazy(dst)) {
     lazy_resize_(dst, self.sizes(), std::nullopt);
   } else {
-    c10::impl::ExcludeDispatchKeyGuard guard(kBelowAutograd);
+    c10::impl::ExcludeDispatchKeyGuard guard(kAboveBackendKeys);
     dst.resize_(self.sizes());
   }
   return lazy_copy_from(self, dst, false);
 }
 
 c10::Scalar lazy_local_scalar_dense(const at::Tensor& self) {
-  LazyBuffer* b = buffer_of(self);
-  materialize({b});
+  materialize({buffer_of(self)});
   auto lock = lock_flush();
-  TensorMeta meta = TensorMeta::of(*self.unsafeGetTensorImpl());
-  ensure_real(*b, meta.extent_bytes());
   ReplayScope scope;
-  return real_view(*b, meta).item();
+  return real_view_of(self).item();
 }
 
 // param.data = other and Module.to() keep Parameter objects only between "compatible" tensor

@@ -5,11 +5,13 @@
 #include <mutex>
 #include <unordered_map>
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/ops/empty_strided.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include "core/check.h"
 #include "core/config.h"
+#include "core/runtime.h"
 #include "device/phantom.h"
 
 namespace lazymem {
@@ -45,9 +47,6 @@ void remember_locally(const CallKey& key, const std::shared_ptr<const MetaResult
   local.emplace(key, r);
 }
 
-constexpr c10::DispatchKeySet kExcludedDuringMeta =
-    c10::autograd_dispatch_keyset_with_ADInplaceOrView | c10::autocast_dispatch_keyset | c10::python_ks;
-
 at::Tensor mirror(const at::Tensor& t, const c10::intrusive_ptr<c10::StorageImpl>& storage) {
   auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(storage), c10::DispatchKeySet(c10::DispatchKey::Meta),
                                                    t.dtype());
@@ -64,7 +63,7 @@ c10::intrusive_ptr<c10::StorageImpl> meta_storage(size_t nbytes) {
 }
 
 at::Tensor constant_mirror(const at::Tensor& t) {
-  c10::impl::ExcludeDispatchKeyGuard guard(kExcludedDuringMeta);
+  c10::impl::ExcludeDispatchKeyGuard guard(kAboveBackendKeys);
   return at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kMeta));
 }
 
@@ -110,7 +109,7 @@ OutSpec describe(const at::Tensor& r, const Call& call, const std::vector<at::Te
 // eager's shape, dtype and overlap checks, with eager's messages — then the out= op on Meta.
 // Python meta kernels registered on the Meta key are looser (no casting or overlap checks).
 bool dispatch_meta(Call& call, torch::jit::Stack& stack) {
-  c10::impl::ExcludeDispatchKeyGuard guard(kExcludedDuringMeta);
+  c10::impl::ExcludeDispatchKeyGuard guard(kAboveBackendKeys);
   if (call.rules.structured) {
     torch::jit::Stack copy = stack;
     try {
@@ -129,7 +128,22 @@ bool dispatch_meta(Call& call, torch::jit::Stack& stack) {
   return true;
 }
 
+// TensorIterator's memory-overlap checks, run on the lazymem tensors themselves (their unique phantom
+// addresses make them exact) with eager's messages, for in-place ops whose meta kernel may be a
+// Python one that skips them. Overlap is a function of the cache key (alias classes, geometry), so
+// a cache hit has already passed them.
+void check_overlaps(const Call& call) {
+  for (const TensorArg& out : call.tensors) {
+    if (out.kind != TensorArg::kLazy || !out.write) continue;
+    at::assert_no_internal_overlap(out.t);
+    for (const TensorArg& in : call.tensors) {
+      if (in.kind == TensorArg::kLazy && !in.write && in.alias == out.alias) at::assert_no_partial_overlap(out.t, in.t);
+    }
+  }
+}
+
 std::shared_ptr<const MetaResult> run_meta(Call& call) {
+  if (call.rules.iterator_overlap_checks) check_overlaps(call);
   const auto& schema = call.op.schema();
   torch::jit::Stack stack;
   stack.reserve(call.num_args);

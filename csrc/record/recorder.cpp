@@ -1,7 +1,6 @@
 // record: the boxed fallback and node construction.
 #include "record/recorder.h"
 
-#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_lazy_clone.h>
 #include <ATen/ops/clone.h>
@@ -21,13 +20,10 @@
 namespace lazymem {
 namespace {
 
-constexpr c10::DispatchKeySet kBelowAutograd =
-    c10::autograd_dispatch_keyset_with_ADInplaceOrView | c10::autocast_dispatch_keyset | c10::python_ks;
-
 // A host (or other-device) tensor copied into lazymem: snapshot it now, so later writes by the user
 // cannot change what the recorded copy reads. Copy-on-write when the storage allows it.
 at::Tensor snapshot(const at::Tensor& t) {
-  c10::impl::ExcludeDispatchKeyGuard guard(kBelowAutograd);
+  c10::impl::ExcludeDispatchKeyGuard guard(kAboveBackendKeys);
   if (t.device().is_cpu()) {
     try {
       return at::_lazy_clone(t);
@@ -172,18 +168,6 @@ class Emitter {
   NodePtr node_;
 };
 
-// TensorIterator's memory-overlap checks, run on the lazymem tensors themselves (their unique phantom
-// addresses make the checks exact), with eager's messages.
-void check_overlaps(const Call& call) {
-  for (const TensorArg& out : call.tensors) {
-    if (out.kind != TensorArg::kLazy || !out.write) continue;
-    at::assert_no_internal_overlap(out.t);
-    for (const TensorArg& in : call.tensors) {
-      if (in.kind == TensorArg::kLazy && !in.write && in.alias == out.alias) at::assert_no_partial_overlap(out.t, in.t);
-    }
-  }
-}
-
 } // namespace
 
 void record_call(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool allow_constants) {
@@ -202,7 +186,6 @@ void record_call(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool a
     run_eager(op, stack);
     return;
   }
-  if (rules.iterator_overlap_checks) check_overlaps(call);
   std::shared_ptr<const MetaResult> meta = infer_meta(call);
   if (!meta) {
     run_eager(op, stack);
