@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/dropout.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/gru_cell_native.h>
@@ -176,17 +177,6 @@ LayerOut layer(Kind kind, const Tensor& input, c10::ArrayRef<int64_t> bs, const 
   return {at::cat({fw.first, bw.first}, bs.empty() ? fw.first.dim() - 1 : -1), {fw.second, bw.second}};
 }
 
-// Dropout as its composite decomposes on the CPU (on lazymem at::dropout takes native_dropout).
-Tensor cpu_dropout(const Tensor& input, double p) {
-  TORCH_CHECK(p >= 0 && p <= 1, "dropout probability has to be between 0 and 1, but got ", p);
-  if (p == 0 || input.numel() == 0) return input;
-  if (p == 1) return input * at::zeros({}, input.options());
-  Tensor noise = at::empty_like(input);
-  noise.bernoulli_(1 - p);
-  noise.div_(1 - p);
-  return input * noise;
-}
-
 std::vector<Weights> gather_params(TensorList p, bool has_biases, bool has_projections) {
   const size_t stride = (has_biases ? 4 : 2) + (has_projections ? 1 : 0);
   TORCH_CHECK(p.size() % stride == 0, "got an incorrect number of RNN parameters");
@@ -231,7 +221,7 @@ std::pair<Tensor, std::vector<Hidden>> run_stack(Kind kind, Tensor input, c10::A
     LayerOut r = layer(kind, input, bs, h, w);
     finals.insert(finals.end(), r.hidden.begin(), r.hidden.end());
     input = r.out;
-    if (dropout_p != 0 && train && l < num_layers - 1) input = cpu_dropout(input, dropout_p);
+    if (dropout_p != 0 && train && l < num_layers - 1) input = at::dropout(input, dropout_p, true);
   }
   return {input, finals};
 }
@@ -314,7 +304,7 @@ std::tuple<Tensor, Tensor, Tensor> mkldnn_lstm(const Tensor& input_, TensorList 
       cy[index] = std::get<2>(r);
     }
     input = dirs == 1 ? layer_out[0] : at::cat(layer_out, -1);
-    if (dropout_p != 0 && train && l < num_layers - 1) input = cpu_dropout(input, dropout_p);
+    if (dropout_p != 0 && train && l < num_layers - 1) input = at::dropout(input, dropout_p, true);
   }
   Tensor h_n = at::stack(hy, 0), c_n = at::stack(cy, 0);
   return {batch_first ? input.transpose(0, 1) : input, h_n, c_n};

@@ -123,3 +123,30 @@ LOSSES = {
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_loss(name):
     run_layer(lambda: nn.Linear(8, 5), img(6, 8), loss=LOSSES[name])
+
+
+def test_dropout_takes_the_cpu_decomposition():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Trace(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func not in (torch.ops.aten._to_copy.default, torch.ops.aten.detach.default):
+                self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(8, 8, requires_grad=True)
+    traces = []
+    for t in (x, x.detach().to("lazymem").requires_grad_()):
+        with Trace() as tr:
+            F.dropout(t, 0.3).sum().backward()
+        traces.append(tr.ops)
+    assert traces[0] == traces[1]  # the same ops forward and backward, not native_dropout
+    for p in [i / 37 for i in range(1, 37)]:
+        torch.manual_seed(0)
+        eager = F.dropout(x, p)
+        torch.manual_seed(0)
+        assert torch.equal(F.dropout(x.detach().to("lazymem"), p).cpu(), eager.detach()), p
