@@ -57,13 +57,16 @@ def main() -> None:
     with torch.no_grad():
         lazy_model(x).cpu()  # warm-up: the first call of each op imports PyTorch's meta kernels (~1-2 s once)
     torch_lazymem.reset_stats()
-    with simulated_device("256MiB"), torch.no_grad():
+    capacity = 256 * 1024 * 1024
+    with simulated_device(capacity), torch.no_grad():
         out = lazy_model(x)  # recorded: nothing runs yet
         recorded = torch_lazymem.stats()
         held_before = torch.lazymem.memory_allocated()
         got = out.cpu()  # sync point: planned, run on the backing device, downloaded
         stats = torch_lazymem.stats()
         lazy_s = median_time(lambda: lazy_model(x).cpu())
+    if stats["peak_bytes"] > capacity:
+        raise SystemExit("lazymem went over the simulated device's capacity")
 
     print(f"torch {torch.__version__}, lazymem backed by {torch_lazymem.backing_device()}")
     print(f"output {tuple(got.shape)}: bitwise equal to eager CPU: {torch.equal(got, expected)}")

@@ -67,7 +67,10 @@ def test_simulated_device_oom_loses_nothing():
             y.item()
         assert torch_lazymem.stats()["pending_nodes"] > 0
     with simulated_device("200MiB"):
+        torch.lazymem.reset_peak_memory_stats()
         assert y.item() == 5.0 * 8 * MiB
+        assert torch.lazymem.max_memory_allocated() <= 200 * MiB  # never above the device's capacity
+        assert torch_lazymem.stats()["peak_bytes"] <= 200 * MiB
     gc.collect()
 
 
@@ -83,6 +86,7 @@ def test_eager_cap_uses_the_same_accounting():
 def test_simulated_capacity_bounds_what_lazymem_holds():
     gc.collect()
     with simulated_device(MiB + 1024):
+        torch.lazymem.reset_peak_memory_stats()
         a = torch.randn(1024, 256, device="lazymem")  # exactly 1 MiB
         a.cpu()
         with pytest.raises(torch.OutOfMemoryError):
@@ -92,3 +96,4 @@ def test_simulated_capacity_bounds_what_lazymem_holds():
         # the failed op's pending node was dead; its input is released before the next run
         b = torch.randn(1024, 256, device="lazymem")
         assert b.sum().item() == pytest.approx(b.cpu().sum().item())
+        assert torch.lazymem.max_memory_allocated() <= MiB + 1024
