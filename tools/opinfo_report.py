@@ -79,7 +79,7 @@ def _worker(args: argparse.Namespace) -> int:
             samples = None
             if args.count:
                 torch.manual_seed(opinfo.SAMPLE_SEED)
-                samples = opinfo.sample_count(op, args.max_samples)
+                samples = opinfo.sample_count(op, args.mode, args.max_samples)
             emit({"event": "start", "op": name, "samples": samples})
             if name in fake_crash:
                 import ctypes

@@ -244,15 +244,12 @@ def find_op(name: str) -> Any:
     return ops_by_name()[name]
 
 
-def sample_count(op: Any, max_samples: int | None = None) -> int:
-    """How many Outcomes run_op(op, max_samples) yields (1 for an op skipped as a whole)."""
-    if full_name(op) in STORAGE_DEPENDENT:
+def sample_count(op: Any, mode: str = "forward", max_samples: int | None = None) -> int:
+    """How many Outcomes RUNNERS[mode](op, max_samples) yields (1 for an op skipped as a whole)."""
+    if mode == "backward" and not op.supports_autograd:
         return 1
-    try:
-        n = sum(1 for _ in op.sample_inputs("cpu", torch.float32, requires_grad=False))
-    except Exception:  # noqa: BLE001 - run_op reports a broken sample generator as one skip
-        return 1
-    return min(n, max_samples) if max_samples else n
+    samples = _samples(op, mode == "backward", max_samples)
+    return 1 if isinstance(samples, Outcome) else len(samples)
 
 
 def seeded_outcomes(op: Any, mode: str = "forward", max_samples: int | None = None) -> Iterator[Outcome]:
