@@ -43,6 +43,7 @@ uint64_t Program::append(NodePtr node) {
   }
   pending_bytes_ += def_bytes(*node);
   pending_.push_back(std::move(node));
+  pending_size_.store(pending_.size(), std::memory_order_relaxed);
   return seq;
 }
 
@@ -62,16 +63,6 @@ uint64_t Program::last_seq() {
   return pending_.empty() ? 0 : pending_.back()->seq;
 }
 
-size_t Program::pending_count() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return pending_.size();
-}
-
-uint64_t Program::pending_def_bytes() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return pending_bytes_;
-}
-
 Segment Program::take_prefix(uint64_t upto) {
   Segment seg;
   std::lock_guard<std::mutex> lock(mu_);
@@ -80,6 +71,7 @@ Segment Program::take_prefix(uint64_t upto) {
     seg.nodes.push_back(std::move(pending_.front()));
     pending_.pop_front();
   }
+  pending_size_.store(pending_.size(), std::memory_order_relaxed);
   if (seg.nodes.empty()) return seg;
   static std::atomic<uint64_t> epochs{0};
   seg.epoch = epochs.fetch_add(1, std::memory_order_relaxed) + 1;
@@ -109,6 +101,7 @@ void Program::restore_prefix(std::vector<NodePtr> nodes) {
     pending_bytes_ += def_bytes(**it);
     pending_.push_front(std::move(*it));
   }
+  pending_size_.store(pending_.size(), std::memory_order_relaxed);
 }
 
 void Program::verify() {

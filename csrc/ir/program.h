@@ -4,6 +4,7 @@
 // program, so nodes recorded meanwhile by other threads stay pending in order.
 #pragma once
 
+#include <atomic>
 #include <deque>
 #include <mutex>
 #include <string>
@@ -41,9 +42,14 @@ class Program {
   // Seq of the pending node that last writes `b`, or 0 when no pending node writes it.
   uint64_t pending_writer(const LazyBuffer& b);
   uint64_t last_seq();
-  size_t pending_count();
+  // Lock-free reads (atomics written under the lock): the auto-flush check runs after every record.
+  size_t pending_count() const {
+    return pending_size_.load(std::memory_order_relaxed);
+  }
   // Bytes of fresh buffers the pending program defines (auto-flush threshold).
-  uint64_t pending_def_bytes();
+  uint64_t pending_def_bytes() const {
+    return pending_bytes_.load(std::memory_order_relaxed);
+  }
 
   // Detaches pending nodes with seq <= upto (all of them if upto is past the end).
   Segment take_prefix(uint64_t upto);
@@ -59,7 +65,8 @@ class Program {
   std::mutex mu_;
   std::deque<NodePtr> pending_;
   uint64_t next_seq_ = 1;
-  uint64_t pending_bytes_ = 0;
+  std::atomic<uint64_t> pending_bytes_{0};
+  std::atomic<size_t> pending_size_{0};
 };
 
 } // namespace lazymem
