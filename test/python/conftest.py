@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_lazymem
 
@@ -26,3 +27,19 @@ def assert_bitwise(lazy: torch.Tensor, expected: torch.Tensor) -> None:
     assert got.dtype == expected.dtype, (got.dtype, expected.dtype)
     assert got.shape == expected.shape, (got.shape, expected.shape)
     assert torch.equal(got, expected), (got, expected)
+
+
+class OpTrace(TorchDispatchMode):
+    """Records the ATen ops that reach the dispatcher below autograd (forward and backward), except
+    device transfers and detaches, which differ between a CPU run and a lazymem run by construction."""
+
+    IGNORED = ("aten._to_copy.default", "aten.detach.default")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) not in self.IGNORED:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))

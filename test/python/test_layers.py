@@ -126,22 +126,12 @@ def test_loss(name):
 
 
 def test_dropout_takes_the_cpu_decomposition():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Trace(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func not in (torch.ops.aten._to_copy.default, torch.ops.aten.detach.default):
-                self.ops.append(func)
-            return func(*args, **(kwargs or {}))
+    from conftest import OpTrace
 
     x = torch.randn(8, 8, requires_grad=True)
     traces = []
     for t in (x, x.detach().to("lazymem").requires_grad_()):
-        with Trace() as tr:
+        with OpTrace() as tr:
             F.dropout(t, 0.3).sum().backward()
         traces.append(tr.ops)
     assert traces[0] == traces[1]  # the same ops forward and backward, not native_dropout

@@ -8,10 +8,9 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_bitwise
+from conftest import OpTrace, assert_bitwise
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_lazymem
 
@@ -202,22 +201,13 @@ def test_lstm_without_mkldnn_and_in_double():
 
 
 def test_lstm_records_eager_cpu_ops():
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     torch.manual_seed(10)
     m = nn.LSTM(5, 6, 2, dropout=0.3)
     lm = copy.deepcopy(m).to("lazymem")
     seqs = []
     for mod, dev in ((m, "cpu"), (lm, "lazymem")):
         x = torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(0)).to(dev).requires_grad_()
-        with Ops() as ops:
+        with OpTrace() as ops:
             mod(x)[0].sum().backward()
         seqs.append(ops.ops)
     assert seqs[0] == seqs[1]
