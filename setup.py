@@ -11,7 +11,7 @@ from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension, include_paths, library_paths
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-CORE_DIRS = ["core", "ir", "ops", "plan", "execute", "device", "record"]
+CORE_DIRS = ["core", "ir", "ops", "plan", "execute", "device", "record", "record/composite", "sync"]
 CORE_NAME = "torch_lazymem.lib.lazymem_core"
 CXX_FLAGS = ["-O2", "-g0", "-fvisibility-inlines-hidden", "-Wall", "-Wno-unused-parameter", "-Wno-unused-function"]
 
@@ -63,7 +63,14 @@ class Build(BuildExtension):
     def build_extension(self, ext):
         if ext.name != CORE_NAME:
             ext.library_dirs = list(ext.library_dirs) + [os.path.dirname(self.get_ext_fullpath(CORE_NAME))]
-        super().build_extension(ext)
+        # One build directory (and ninja file) per extension: with a shared one each extension's
+        # build.ninja replaces the other's, and every rebuild recompiles everything.
+        base = self.build_temp
+        self.build_temp = os.path.join(base, ext.name.rsplit(".", 1)[-1])
+        try:
+            super().build_extension(ext)
+        finally:
+            self.build_temp = base
 
 
 setup(

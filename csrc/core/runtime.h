@@ -1,5 +1,5 @@
 // core: process-wide runtime state that every stage reads: the backing device, and the flush
-// entry points that device plumbing (guard, generator) calls without depending on execute/.
+// entry points that device plumbing (guard, generator) calls without depending on sync/.
 #pragma once
 
 #include <cstdint>
@@ -23,10 +23,10 @@ constexpr c10::DispatchKeySet kAboveBackendKeys = c10::autograd_dispatch_keyset_
 // The real device the program runs on: CUDA when present at first use, CPU otherwise.
 c10::Device backing_device();
 c10::DispatchKey backing_key();
-// Sets the backing device without any checks; execute/ validates before calling this.
+// Sets the backing device without any checks; the caller validates first.
 void set_backing_device_unchecked(c10::Device d);
 
-// Flush entry points, installed by execute/ at static-init time.
+// Flush entry points, installed by sync/ at static-init time.
 struct FlushHooks {
   // Runs every pending node recorded at or before `seq` (0 = nothing, UINT64_MAX = everything).
   std::function<void(uint64_t seq)> flush_until;

@@ -1,36 +1,34 @@
-// execute: runs a planned segment on the backing device. Each node is replayed through the
-// dispatcher (redispatchBoxed on the backing key, autograd/autocast/Python keys excluded) on real
-// views of its buffers; functional outputs adopt the kernel's result storage when its geometry
-// matches, otherwise are copied in; buffers are released right after their last use.
+// execute: runs a Plan on the backing device. Whole stages replay their nodes once on whole buffers;
+// loop stages allocate the full storages they assemble, then replay their nodes chunk by chunk
+// through the binder, accumulate partials after their last write in each chunk, and finish the
+// accumulators when the loop ends. Each buffer is released right after its last use.
 //
-// Failure semantics. Out of memory: every node that has not run goes back to the front of the
-// program, so nothing is lost and the same sync succeeds once memory is available. Any other
-// error: the failing node's outputs (and everything computed from them) are poisoned, the rest of
-// the segment runs, and the first error is raised at the sync point; later reads of a poisoned
-// value raise the same error.
+// Failure semantics. Out of memory: execution stops; the outcome says where, so that sync/ puts
+// every node that has not completed back in the program (a loop that fails restarts as a whole: its
+// storages and accumulators are dropped), and nothing is lost. Any other error: the failing node's
+// outputs (and everything computed from them) are poisoned, the rest runs, and the first error is
+// reported; later reads of a poisoned value raise the same error.
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <string>
 
-#include "device/generator.h"
-#include "ir/program.h"
+#include "plan/plan.h"
 
 namespace lazymem {
 
-// Plans and runs a detached segment. Caller holds the flush lock.
-void execute_segment(Segment& seg);
+struct ExecOutcome {
+  size_t executed = 0;               // node runs (a node in a loop runs once per chunk)
+  std::exception_ptr first_error;    // the first failure other than out of memory
+  std::exception_ptr oom;            // set when execution stopped for lack of memory
+  std::string oom_site;              // the node whose allocation failed
+  size_t stage = 0;                  // with oom: the stage that did not complete...
+  size_t node = 0;                   // ...and, for a whole stage, its first node that did not run
+  int64_t peak = 0;                  // device bytes at the peak
+};
 
-// Runs `op` on the backing device with its arguments at stack[first...]: Device arguments become the
-// backing device; a random op (gen != nullptr) draws from gen's backing generator, through its
-// Generator argument or by lending that state to the backing default generator; kernels that read
-// GradMode see `grad_mode`. Used by replay and by the eager path. The caller holds a ReplayScope.
-void redispatch_on_backing(const c10::OperatorHandle& op, torch::jit::Stack& stack, size_t first,
-                           c10::ArrayRef<int32_t> device_args, int32_t generator_arg, LazyGenerator* gen,
-                           bool grad_mode);
-
-// Annotates an exception thrown by `node`'s kernel with the op and its recording site, keeping the
-// exception's type (IndexError stays IndexError, OutOfMemoryError stays OutOfMemoryError).
-std::exception_ptr annotate_node_error(const std::exception& e, const std::string& prefix);
+// Runs `plan`. The caller holds the flush lock.
+ExecOutcome execute(const Plan& plan);
 
 } // namespace lazymem

@@ -55,7 +55,8 @@ void ensure_real(LazyBuffer& b, size_t need) {
 at::Tensor real_view(LazyBuffer& b, const TensorMeta& meta) {
   LAZYMEM_INTERNAL_ASSERT(b.has_real(), "real_view of buffer b", b.id, " that has no real data");
   auto impl = c10::make_intrusive<c10::TensorImpl>(
-      c10::Storage(b.real), c10::DispatchKeySet(backing_key()), caffe2::TypeMeta::fromScalarType(meta.dtype));
+      c10::Storage(b.real), c10::DispatchKeySet(b.real_on_host ? c10::DispatchKey::CPU : backing_key()),
+      caffe2::TypeMeta::fromScalarType(meta.dtype));
   meta.apply_to(*impl);
   return at::Tensor(std::move(impl));
 }

@@ -18,12 +18,13 @@ LazyBuffer::~LazyBuffer() {
   g_alive.fetch_sub(1, std::memory_order_relaxed);
 }
 
-void LazyBuffer::set_real(c10::Storage s) {
+void LazyBuffer::set_real(c10::Storage s, bool on_host) {
   if (!real && s) g_with_real.fetch_add(1, std::memory_order_relaxed);
   if (real && !s) g_with_real.fetch_sub(1, std::memory_order_relaxed);
-  if (real) g_resident.fetch_sub(static_cast<int64_t>(real.nbytes()), std::memory_order_relaxed);
-  if (s) g_resident.fetch_add(static_cast<int64_t>(s.nbytes()), std::memory_order_relaxed);
+  if (real && !real_on_host) g_resident.fetch_sub(static_cast<int64_t>(real.nbytes()), std::memory_order_relaxed);
+  if (s && !on_host) g_resident.fetch_add(static_cast<int64_t>(s.nbytes()), std::memory_order_relaxed);
   real = std::move(s);
+  real_on_host = on_host && static_cast<bool>(real);
 }
 
 void LazyBuffer::drop_real() {

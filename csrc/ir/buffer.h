@@ -28,17 +28,19 @@ struct LazyBuffer : c10::intrusive_ptr_target {
   // --- guarded by Program's mutex ---
   uint32_t version = 0;          // latest recorded version; 0 = allocated, never written
   uint64_t last_writer_seq = 0;  // seq of the latest node that writes this buffer (maybe executed)
+  uint32_t pending_writes = 0;   // pending nodes that write it (defs and in-place writes)
   uint64_t live_epoch = 0;       // epoch of the last detached segment whose live-out set holds it
 
   // --- written only by the thread holding the flush mutex ---
   c10::Storage real;             // data on the backing device, holding version real_version
+  bool real_on_host = false;     // ...or in host memory (a split result larger than the budget)
   uint32_t real_version = 0;
   std::exception_ptr poison;     // set when the node that should have written it failed
 
   bool has_real() const {
     return static_cast<bool>(real);
   }
-  void set_real(c10::Storage s);
+  void set_real(c10::Storage s, bool on_host = false);
   void drop_real();
 };
 

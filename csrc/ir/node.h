@@ -71,7 +71,8 @@ struct Def {
 struct Node {
   explicit Node(c10::OperatorHandle o) : op(std::move(o)) {}
 
-  uint64_t seq = 0;             // program order; assigned at append, contiguous among pending nodes
+  uint64_t seq = 0;             // program order; assigned at append (increasing, with holes once
+                                // nodes kept pending by a materialization are put back)
   c10::OperatorHandle op;       // the op replayed on the backing device
   std::vector<c10::IValue> args;// boxed arguments; lazymem tensor slots hold None until replay
   std::vector<Use> uses;

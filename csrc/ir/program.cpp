@@ -20,6 +20,14 @@ static uint64_t def_bytes(const Node& n) {
   return b;
 }
 
+// Counts the node's writes as pending (delta +1) or no longer pending (-1). Program lock held.
+static void note_pending_writes(const Node& n, int delta) {
+  for (const auto& d : n.defs) d.ref.buf->pending_writes += delta;
+  for (const auto& u : n.uses) {
+    if (u.write) u.ref.buf->pending_writes += delta;
+  }
+}
+
 uint64_t Program::append(NodePtr node) {
   std::lock_guard<std::mutex> lock(mu_);
   uint64_t seq = next_seq_++;
@@ -42,6 +50,7 @@ uint64_t Program::append(NodePtr node) {
     d.ref.buf->last_writer_seq = seq;
   }
   pending_bytes_ += def_bytes(*node);
+  note_pending_writes(*node, +1);
   pending_.push_back(std::move(node));
   pending_size_.store(pending_.size(), std::memory_order_relaxed);
   return seq;
@@ -54,8 +63,10 @@ uint32_t Program::note_external_write(LazyBuffer& b) {
 
 uint64_t Program::pending_writer(const LazyBuffer& b) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (pending_.empty() || b.last_writer_seq < pending_.front()->seq) return 0;
-  return b.last_writer_seq;
+  // Nodes put back after a materialization leave holes in the pending seqs, so the front's seq says
+  // nothing about whether the last writer ran: the count of pending writers does. When it is
+  // non-zero the last writer is pending (a kept-pending writer is never followed by one that ran).
+  return b.pending_writes > 0 ? b.last_writer_seq : 0;
 }
 
 uint64_t Program::last_seq() {
@@ -68,6 +79,7 @@ Segment Program::take_prefix(uint64_t upto) {
   std::lock_guard<std::mutex> lock(mu_);
   while (!pending_.empty() && pending_.front()->seq <= upto) {
     pending_bytes_ -= def_bytes(*pending_.front());
+    note_pending_writes(*pending_.front(), -1);
     seg.nodes.push_back(std::move(pending_.front()));
     pending_.pop_front();
   }
@@ -99,6 +111,7 @@ void Program::restore_prefix(std::vector<NodePtr> nodes) {
     LAZYMEM_INTERNAL_ASSERT(pending_.empty() || (*it)->seq < pending_.front()->seq,
                             "restored nodes must precede the pending program");
     pending_bytes_ += def_bytes(**it);
+    note_pending_writes(**it, +1);
     pending_.push_front(std::move(*it));
   }
   pending_size_.store(pending_.size(), std::memory_order_relaxed);

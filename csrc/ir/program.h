@@ -53,11 +53,12 @@ class Program {
 
   // Detaches pending nodes with seq <= upto (all of them if upto is past the end).
   Segment take_prefix(uint64_t upto);
-  // Puts back nodes of a detached prefix that did not run (e.g. after an out-of-memory error), in
-  // front of everything recorded since. They must be a suffix of the detached prefix, in order.
+  // Puts back nodes of a detached prefix that the plan leaves pending (kept for later, or not run
+  // after an out-of-memory error), in front of everything recorded since. Any subset of the
+  // detached prefix, in program order.
   void restore_prefix(std::vector<NodePtr> nodes);
 
-  // Checks the program's invariants (contiguous seqs, versions consistent); throws if violated.
+  // Checks the program's invariants (increasing seqs, versions consistent); throws if violated.
   void verify();
   std::string to_string(size_t max_nodes = 200);
 

@@ -12,7 +12,6 @@
 #include "core/runtime.h"
 #include "device/generator.h"
 #include "device/phantom.h"
-#include "execute/materialize.h"
 #include "ir/program.h"
 #include "record/call.h"
 #include "record/meta.h"
@@ -170,33 +169,20 @@ class Emitter {
 
 } // namespace
 
-void record_call(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool allow_constants) {
+Recorded record_call(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool allow_constants) {
   const OpRules& rules = op_rules(op);
   if (rules.noop) {
     torch::jit::drop(*stack, op.schema().arguments().size());
-    return;
+    return Recorded::kDone;
   }
-  if (rules.eager) {
-    run_eager(op, stack);
-    return;
-  }
+  if (rules.eager) return Recorded::kNeedsEager;
   Call call(op, rules, stack);
   analyze_call(call, allow_constants);
-  if (rules.eager_if_mask_index && call.has_mask_index) {
-    run_eager(op, stack);
-    return;
-  }
+  if (rules.eager_if_mask_index && call.has_mask_index) return Recorded::kNeedsEager;
   std::shared_ptr<const MetaResult> meta = infer_meta(call);
-  if (!meta) {
-    run_eager(op, stack);
-    return;
-  }
+  if (!meta) return Recorded::kNeedsEager;
   Emitter(call, *meta).run();
-  maybe_auto_flush();
-}
-
-void lazy_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  record_call(op, stack, /*allow_constants=*/false);
+  return Recorded::kDone;
 }
 
 } // namespace lazymem

@@ -1,8 +1,8 @@
 // record: the recorder. Every op on lazymem tensors that has no direct kernel reaches the boxed
-// fallback; record_call analyses the call, infers outputs on meta mirrors (cached), creates the
-// output tensors (fresh phantom buffers, or views/aliases of the inputs' storages) and appends one
-// Node to the program. Nothing runs. Data-dependent ops and ops without meta kernels take the eager
-// path instead: flush what they read, run them for real, wrap the results as materialized buffers.
+// fallback (registered by sync/); record_call analyses the call, infers outputs on meta mirrors
+// (cached), creates the output tensors (fresh phantom buffers, or views/aliases of the inputs'
+// storages) and appends one Node to the program. Nothing runs here: an op whose outputs depend on
+// data, or that has no meta kernel, is reported back (kNeedsEager) and the sync layer runs it.
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -10,14 +10,13 @@
 
 namespace lazymem {
 
-// The PrivateUse1 boxed fallback.
-void lazy_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+enum class Recorded : uint8_t {
+  kDone,       // recorded (or a no-op): the stack holds the op's returns
+  kNeedsEager, // not recorded, the stack is untouched: the op must run for real now (sync/eager)
+};
 
 // Records `op` with the arguments on `stack` and replaces them with its returns. With
 // allow_constants, non-lazymem tensor arguments are snapshotted into the node (host-to-lazymem copy).
-void record_call(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool allow_constants = false);
-
-// Runs `op` for real on the backing device now (after flushing what it reads).
-void run_eager(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+Recorded record_call(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool allow_constants = false);
 
 } // namespace lazymem

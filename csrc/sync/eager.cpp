@@ -1,4 +1,4 @@
-// record: the eager path, for ops whose outputs depend on data (nonzero, unique, boolean masks,
+// sync: the eager path, for ops whose outputs depend on data (nonzero, unique, boolean masks,
 // item) or that have no meta kernel. It flushes what the op reads (everything pending when the op
 // writes, since pending readers must see the old values), runs the op on the backing device now,
 // and wraps its results as lazymem tensors whose buffers already hold real data.
@@ -10,12 +10,11 @@
 #include "core/runtime.h"
 #include "device/generator.h"
 #include "device/phantom.h"
-#include "execute/executor.h"
-#include "execute/materialize.h"
+#include "execute/replay.h"
 #include "execute/real.h"
 #include "ir/program.h"
 #include "ops/op_rules.h"
-#include "record/recorder.h"
+#include "sync/sync.h"
 
 namespace lazymem {
 namespace {

@@ -319,7 +319,8 @@ void record_mkldnn_layer(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   LAZYMEM_CHECK(cpu_backed(), "mkldnn_rnn_layer runs on the CPU only, but the backing device is ", backing_device());
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("lazymem::mkldnn_rnn_layer", "");
   stack->push_back(c10::GradMode::is_enabled());
-  record_call(op, stack);
+  Recorded r = record_call(op, stack);
+  LAZYMEM_INTERNAL_ASSERT(r == Recorded::kDone, "lazymem::mkldnn_rnn_layer has a meta kernel and must record");
 }
 
 // Replay: the aten op's CPU kernel under the recorded GradMode; "no workspace" is an empty tensor,

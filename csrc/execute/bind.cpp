@@ -1,0 +1,240 @@
+// execute: the binder.
+#include "execute/bind.h"
+
+#include <cstdio>
+
+#include <ATen/ops/maximum.h>
+#include <ATen/ops/minimum.h>
+
+#include "core/check.h"
+#include "core/config.h"
+#include "core/runtime.h"
+#include "execute/real.h"
+#include "plan/localize.h"
+
+namespace lazymem {
+namespace {
+
+using Taken = c10::SmallVector<const c10::StorageImpl*, 8>;
+
+// A kernel result can become a buffer's (or slot's) storage when it is plain dense data on the
+// backing device with exactly the expected geometry and enough bytes, and no other output of the
+// same node already took its storage. A ZeroTensor has a sized storage with no memory behind it,
+// and other functionality keys (conj/neg bits, Python) change what the bytes mean.
+bool adoptable(const at::Tensor& r, const TensorMeta& m, size_t min_bytes, const Taken& taken) {
+  const c10::StorageImpl* rs = r.has_storage() ? r.storage().unsafeGetStorageImpl() : nullptr;
+  bool plain = rs && (rs->data_ptr().get() != nullptr || rs->nbytes() == 0) &&
+      !r.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::ZeroTensor, c10::DispatchKey::Python}));
+  return plain && r.device() == backing_device() && r.scalar_type() == m.dtype && r.sizes().equals(m.sizes) &&
+      r.strides().equals(m.strides) && r.storage_offset() == m.offset && r.is_conj() == m.conj &&
+      r.is_neg() == m.neg && rs->nbytes() >= min_bytes && std::find(taken.begin(), taken.end(), rs) == taken.end();
+}
+
+void note_copied(const Def& d, const TensorMeta& m, const at::Tensor& r) {
+  stats().outputs_copied.fetch_add(1, std::memory_order_relaxed);
+  if (config().debug) {
+    std::fprintf(stderr, "[lazymem] output %d copied: recorded %s, kernel returned strides %s offset %lld\n", d.ret,
+                 m.to_string().c_str(), c10::str(r.strides()).c_str(), static_cast<long long>(r.storage_offset()));
+  }
+}
+
+// The kernel disagrees with meta inference on an output's shape. Known placeholders (native_batch_norm's
+// saved statistics in eval mode: empty on the CPU, sized in meta) keep the meta shape with uninitialized
+// values, as placeholders are never read; anything else fails for this output alone.
+void check_shape(const Def& d, const TensorMeta& m, const at::Tensor& r, bool placeholder) {
+  LAZYMEM_CHECK(placeholder && (r.numel() == 0 || m.numel() == 0), "meta inference and the ", backing_device(),
+                " kernel disagree on the shape of output ", d.ret, ": ", m.to_string(), " vs ", r.sizes(),
+                "; this output cannot be used on lazymem (please report the op)");
+}
+
+} // namespace
+
+at::Tensor storage_view(const c10::Storage& storage, const TensorMeta& meta, bool host) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      c10::Storage(storage), c10::DispatchKeySet(host ? c10::DispatchKey::CPU : backing_key()),
+      caffe2::TypeMeta::fromScalarType(meta.dtype));
+  meta.apply_to(*impl);
+  return at::Tensor(std::move(impl));
+}
+
+void Binder::begin_chunk(int64_t start, int64_t rows) {
+  start_ = start;
+  rows_ = rows;
+  for (auto& s : local_) s = c10::Storage();
+}
+
+void Binder::end_chunk() {
+  for (auto& s : local_) s = c10::Storage();
+}
+
+c10::Storage& Binder::slot_storage(int32_t slot) {
+  c10::Storage& s = local_[slot];
+  if (!s) {
+    const Slot& sl = stage_.slots[slot];
+    int64_t bytes = sl.store == Store::kLocal ? sl.layout.bytes(rows_) : sl.bytes;
+    s = allocate_real(static_cast<size_t>(bytes));
+  }
+  return s;
+}
+
+at::Tensor Binder::slot_view(int32_t slot, const TensorMeta& meta, bool partial) {
+  const Slot& sl = stage_.slots[slot];
+  TensorMeta m = partial ? meta : localize(meta, sl.layout, rows_);
+  return storage_view(slot_storage(slot), m);
+}
+
+at::Tensor Binder::use(const PlannedNode& pn, size_t i) {
+  const Use& u = pn.node->uses[i];
+  LazyBuffer& b = *u.ref.buf;
+  const Bound* bd = pn.uses.empty() ? nullptr : &pn.uses[i];
+  if (!bd || bd->bind == Bind::kWhole) {
+    if (!u.full_overwrite() && !stage_.loop) {
+      LAZYMEM_INTERNAL_ASSERT(b.has_real() ? b.real_version == u.ref.version : u.ref.version == 0,
+                              pn.node->describe(), " reads b", b.id, " version ", u.ref.version,
+                              " but the executor holds version ", b.real_version, b.has_real() ? "" : " (no data)");
+    }
+    ensure_real(b, u.ref.meta.extent_bytes());
+    return real_view(b, u.ref.meta);
+  }
+  switch (bd->bind) {
+    case Bind::kLocal:
+      return slot_view(bd->slot, u.ref.meta, false);
+    case Bind::kPartial:
+      return slot_view(bd->slot, u.ref.meta, true);
+    case Bind::kNarrow:
+      LAZYMEM_INTERNAL_ASSERT(b.has_real(), pn.node->describe(), " reads rows of b", b.id, " which has no storage");
+      return real_view(b, narrow_rows(u.ref.meta, bd->dim, bd->unit, start_, rows_));
+    default:
+      break;
+  }
+  LAZYMEM_INTERNAL_ASSERT(false, "bad binding for a use of ", pn.node->describe());
+  return at::Tensor();
+}
+
+c10::IValue Binder::constant(const PlannedNode& pn, const ConstNarrow& c) const {
+  const c10::IValue& v = c.elem < 0 ? pn.node->args[c.arg] : pn.node->args[c.arg].toList().get(c.elem);
+  const at::Tensor& t = v.toTensor();
+  return c10::IValue(t.narrow(c.dim, start_ * c.unit, rows_ * c.unit));
+}
+
+TensorMeta Binder::def_meta(const PlannedNode& pn, size_t i) const {
+  const Def& d = pn.node->defs[i];
+  const Bound* bd = pn.defs.empty() ? nullptr : &pn.defs[i];
+  if (!bd) return d.ref.meta;
+  switch (bd->bind) {
+    case Bind::kLocal:
+      return localize(d.ref.meta, stage_.slots[bd->slot].layout, rows_);
+    case Bind::kNarrow:
+      return narrow_rows(d.ref.meta, bd->dim, bd->unit, start_, rows_);
+    default:
+      return d.ref.meta;
+  }
+}
+
+void Binder::def(const PlannedNode& pn, size_t i, const at::Tensor& r, Taken& taken) {
+  const Def& d = pn.node->defs[i];
+  LazyBuffer& b = *d.ref.buf;
+  const Bound* bd = pn.defs.empty() ? nullptr : &pn.defs[i];
+  const Bind bind = bd ? bd->bind : Bind::kWhole;
+  if (bind == Bind::kDiscard) return;
+  const TensorMeta m = def_meta(pn, i);
+  LAZYMEM_INTERNAL_ASSERT(r.defined(), "kernel returned an undefined tensor where meta inference promised ",
+                          m.to_string());
+  if (bind == Bind::kWhole) {
+    if (!b.has_real() && adoptable(r, m, b.nbytes.load(), taken)) {
+      b.set_real(r.storage());
+      taken.push_back(r.storage().unsafeGetStorageImpl());
+      return;
+    }
+    if (!r.sizes().equals(m.sizes)) {
+      check_shape(d, m, r, pn.placeholder_outputs);
+      ensure_real(b, m.extent_bytes());
+      return;
+    }
+    // Meta and real strides can differ for ops without structured kernels: the recorded metadata is
+    // authoritative, so the values are copied into the layout every lazymem view expects.
+    note_copied(d, m, r);
+    ensure_real(b, m.extent_bytes());
+    real_view(b, m).copy_(r);
+    return;
+  }
+  if (bind == Bind::kNarrow) {
+    LAZYMEM_INTERNAL_ASSERT(b.has_real(), pn.node->describe(), " writes rows of b", b.id, " which has no storage");
+    if (!r.sizes().equals(m.sizes)) {
+      check_shape(d, m, r, pn.placeholder_outputs);
+      return;
+    }
+    real_view(b, m).copy_(r);
+    return;
+  }
+  // kLocal / kPartial: the slot's storage.
+  const Slot& sl = stage_.slots[bd->slot];
+  const size_t need = static_cast<size_t>(sl.store == Store::kLocal ? sl.layout.bytes(rows_) : sl.bytes);
+  c10::Storage& s = local_[bd->slot];
+  if (!s && adoptable(r, m, need, taken)) {
+    s = r.storage();
+    taken.push_back(r.storage().unsafeGetStorageImpl());
+    return;
+  }
+  if (!r.sizes().equals(m.sizes)) {
+    check_shape(d, m, r, pn.placeholder_outputs);
+    slot_storage(bd->slot);
+    return;
+  }
+  storage_view(slot_storage(bd->slot), m).copy_(r);
+}
+
+at::Tensor Binder::bound_def(const PlannedNode& pn, size_t i) {
+  const Def& d = pn.node->defs[i];
+  const Bound* bd = pn.defs.empty() ? nullptr : &pn.defs[i];
+  const TensorMeta m = def_meta(pn, i);
+  if (!bd || bd->bind == Bind::kWhole || bd->bind == Bind::kNarrow) return real_view(*d.ref.buf, m);
+  return storage_view(slot_storage(bd->slot), m);
+}
+
+void Binder::done(const PlannedNode& pn) {
+  if (stage_.loop) return; // loops publish versions when they end
+  const Node& n = *pn.node;
+  for (const Def& d : n.defs) d.ref.buf->real_version = d.ref.version;
+  for (const Use& u : n.uses) {
+    if (!u.write) continue;
+    u.ref.buf->real_version = u.write_version;
+    if (u.full_overwrite()) u.ref.buf->poison = nullptr;
+  }
+}
+
+void Binder::accumulate(int32_t slot) {
+  const Slot& sl = stage_.slots[slot];
+  const Accumulator& a = stage_.accs[sl.acc];
+  LazyBuffer& b = *a.buf;
+  c10::Storage& part = local_[slot];
+  LAZYMEM_INTERNAL_ASSERT(static_cast<bool>(part), "partial of b", b.id, " was never written in this chunk");
+  if (!b.has_real()) {
+    // The first chunk's partial becomes the accumulator.
+    if (part.nbytes() >= b.nbytes.load()) {
+      b.set_real(part);
+    } else {
+      ensure_real(b, b.nbytes.load());
+      real_view(b, a.meta).copy_(storage_view(part, a.meta));
+    }
+    return;
+  }
+  at::Tensor acc = real_view(b, a.meta);
+  at::Tensor p = storage_view(part, a.meta);
+  switch (a.reduce) {
+    case Reduce::kSum:
+      acc.add_(p);
+      break;
+    case Reduce::kMax:
+      at::maximum_out(acc, acc, p);
+      break;
+    case Reduce::kMin:
+      at::minimum_out(acc, acc, p);
+      break;
+    case Reduce::kNone:
+      acc.copy_(p); // idempotent partials (every chunk computes the same value)
+      break;
+  }
+}
+
+} // namespace lazymem

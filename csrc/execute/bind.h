@@ -1,0 +1,64 @@
+// execute: the binder between replay and buffers' real storage. Replay asks it for the real view of
+// each operand and hands it each result; the binder answers from the Plan's bindings: whole
+// buffers (LazyBuffer::real) in whole stages; in loop stages, per chunk, chunk-local storages
+// (localized views), full storages narrowed to the chunk's rows (resident values, results assembled
+// on the device or in host memory, host snapshots of uploads) and partials that are accumulated.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/SmallVector.h>
+
+#include "plan/plan.h"
+
+namespace lazymem {
+
+class Binder {
+ public:
+  explicit Binder(const Stage& stage) : stage_(stage), local_(stage.slots.size()) {}
+
+  // Loop stages: the chunk [start, start + rows) begins; every chunk-local storage is empty.
+  void begin_chunk(int64_t start, int64_t rows);
+  int64_t chunk_start() const {
+    return start_;
+  }
+  int64_t chunk_rows() const {
+    return rows_;
+  }
+
+  // The real view for node->uses[i] (allocating storage for a buffer first touched here).
+  at::Tensor use(const PlannedNode& pn, size_t i);
+  // The host constant `c` narrowed to the chunk's rows.
+  c10::IValue constant(const PlannedNode& pn, const ConstNarrow& c) const;
+  // Binds the kernel's result for node->defs[i]: adopted as the buffer's (or slot's) storage when its
+  // geometry matches, otherwise copied into it. `taken` lists storages already adopted by this node.
+  void def(const PlannedNode& pn, size_t i, const at::Tensor& result,
+           c10::SmallVector<const c10::StorageImpl*, 8>& taken);
+  // The expected view (recorded, localized or narrowed) of node->defs[i] in the current chunk.
+  TensorMeta def_meta(const PlannedNode& pn, size_t i) const;
+  // The view of node->defs[i]'s value once bound.
+  at::Tensor bound_def(const PlannedNode& pn, size_t i);
+  // After the node ran: in whole stages, buffers it wrote now hold its versions.
+  void done(const PlannedNode& pn);
+
+  // Loop stages: adds the slot's partial into its accumulator (the first chunk's partial becomes it).
+  void accumulate(int32_t slot);
+  // Loop stages: drops a chunk-local storage.
+  void free_slot(int32_t slot) {
+    local_[slot] = c10::Storage();
+  }
+  void end_chunk();
+
+ private:
+  at::Tensor slot_view(int32_t slot, const TensorMeta& meta, bool partial);
+  c10::Storage& slot_storage(int32_t slot);
+
+  const Stage& stage_;
+  c10::SmallVector<c10::Storage, 16> local_;
+  int64_t start_ = 0;
+  int64_t rows_ = 0;
+};
+
+// A view over `storage` (on the backing device, or on the host when `host`) with `meta`'s geometry.
+at::Tensor storage_view(const c10::Storage& storage, const TensorMeta& meta, bool host = false);
+
+} // namespace lazymem

@@ -1,0 +1,186 @@
+// ops: the batch-placement vocabulary and the placement-rule registry. A rule says, for one op, how
+// its outputs relate to the batch given how its operands do (DESIGN.md §7, batch_split_theory.md §4),
+// in the style of functorch batch rules: one function per op family, registered in one line.
+//
+//   S(dim, unit)  batch-sharded: view dim `dim` has size batch*unit with the batch as its major factor
+//   R             replicated: one value, the same for every chunk
+//   P(op)         partial: each chunk produces a piece; the value is their reduction (sum, max, ...)
+//
+// A rule also says how each operand is bound while a chunk runs (its rows, whole, or its partial),
+// which int arguments carry the batch (rewritten per chunk), and how partial results are finished.
+// Rules see operands as plain metadata (sizes, strides, dtype, placement) and the node's boxed
+// arguments: they never see buffers, devices or kernels.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <vector>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/ivalue.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/SmallVector.h>
+
+namespace lazymem {
+
+enum class Reduce : uint8_t { kNone, kSum, kMax, kMin };
+const char* reduce_name(Reduce r);
+
+struct Place {
+  enum Kind : uint8_t { kR, kS, kP };
+  Kind kind = kR;
+  int8_t dim = -1;               // kS: the view dim carrying the batch
+  int64_t unit = 1;              // kS: that dim has size batch * unit (batch-major)
+  Reduce reduce = Reduce::kNone; // kP
+
+  static Place R() {
+    return Place{};
+  }
+  static Place S(int64_t dim, int64_t unit = 1) {
+    Place p;
+    p.kind = kS;
+    p.dim = static_cast<int8_t>(dim);
+    p.unit = unit;
+    return p;
+  }
+  static Place P(Reduce r) {
+    Place p;
+    p.kind = kP;
+    p.reduce = r;
+    return p;
+  }
+  bool is_s() const {
+    return kind == kS;
+  }
+  bool is_p() const {
+    return kind == kP;
+  }
+  bool is_r() const {
+    return kind == kR;
+  }
+  bool operator==(const Place& o) const {
+    return kind == o.kind && (kind != kS || (dim == o.dim && unit == o.unit)) && (kind != kP || reduce == o.reduce);
+  }
+  bool operator!=(const Place& o) const {
+    return !(*this == o);
+  }
+};
+
+// How an operand is bound while its node runs in a chunk loop.
+enum class Mode : uint8_t {
+  kWhole,   // the whole value (R operands, broadcast operands)
+  kRows,    // the chunk's rows along view dim `dim` (unit elements per batch row)
+  kPartial, // this chunk's partial of a P value (linear ops on partials)
+};
+
+struct OperandMode {
+  Mode mode = Mode::kWhole;
+  int8_t dim = -1;
+  int64_t unit = 1;
+  static OperandMode whole() {
+    return OperandMode{};
+  }
+  static OperandMode rows(int64_t dim, int64_t unit) {
+    return OperandMode{Mode::kRows, static_cast<int8_t>(dim), unit};
+  }
+  static OperandMode partial() {
+    return OperandMode{Mode::kPartial, -1, 1};
+  }
+};
+
+// A tensor operand: one lazymem tensor argument of the node, or a host tensor snapshotted into its
+// arguments (an upload's source: always R).
+struct Operand {
+  c10::IntArrayRef sizes;
+  c10::IntArrayRef strides;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  Place place;
+  bool write = false;    // written in place or as out=
+  bool constant = false; // a host tensor in the node's arguments
+  int32_t arg = -1;      // argument position (elem: position inside a tensor list, or -1)
+  int32_t elem = -1;
+  int64_t dim() const {
+    return static_cast<int64_t>(sizes.size());
+  }
+};
+
+// A functional output of the node (a fresh buffer).
+struct Output {
+  c10::IntArrayRef sizes;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  int32_t ret = -1;
+  int32_t elem = -1;
+  int64_t dim() const {
+    return static_cast<int64_t>(sizes.size());
+  }
+};
+
+// An int argument (or element of an int list) rewritten per chunk: base + scale * rows (the chunk's
+// row count) or base + scale * start (its first row).
+struct ArgRewrite {
+  enum Kind : uint8_t { kRows, kStart, kConst };
+  int32_t arg = -1;
+  int32_t elem = -1;
+  Kind kind = kRows;
+  int64_t base = 0;
+  int64_t scale = 1;
+};
+
+// How a partial output is finished after its loop: divided by a constant (mean over the batch as a
+// sum times 1/N) or by another output of the node, itself a sum (NLL's total weight).
+struct Finalize {
+  enum Kind : uint8_t { kNone, kDivConst, kDivOutput };
+  Kind kind = kNone;
+  double value = 1.0;
+  int32_t output = -1;
+};
+
+struct RuleResult {
+  c10::SmallVector<Place, 3> outs;       // per Output
+  c10::SmallVector<OperandMode, 4> ins;  // per Operand
+  c10::SmallVector<ArgRewrite, 2> rewrites;
+  c10::SmallVector<Finalize, 2> finalize; // per Output (kNone when not partial)
+  c10::SmallVector<double, 2> post_div;   // per Output: divide each chunk's rows by this (0 = none)
+  c10::SmallVector<bool, 2> discard;      // per Output: value not produced by this node when split
+  const char* replace_op = nullptr;       // run this overload instead ("aten::sum.dim_IntList")
+  bool needs_total_weight = false;        // NLL mean: output 1 is computed by a pre-pass over targets
+  bool random_rows = false;               // draws random numbers per batch row (row-keyed when split)
+  const char* why = nullptr;              // when the rule fails: why the op cannot be split
+};
+
+struct RuleCall {
+  const c10::OperatorHandle& op;
+  const std::vector<c10::IValue>& args; // boxed arguments; tensor slots hold None or a host constant
+  c10::ArrayRef<Operand> ins;
+  c10::ArrayRef<Output> outs;
+  int64_t batch;
+  // Demand mode: placements the planner wants for the outputs (kR = no demand). Empty otherwise.
+  c10::ArrayRef<Place> want;
+
+  const Operand* operand(int32_t arg, int32_t elem = -1) const;
+  int64_t operand_index(int32_t arg, int32_t elem = -1) const;
+  const Place* wanted(size_t out) const {
+    return out < want.size() && want[out].kind != Place::kR ? &want[out] : nullptr;
+  }
+  int64_t int_arg(size_t i) const {
+    return args[i].toInt();
+  }
+};
+
+// A rule returns false (with r.why) when it cannot split this call; the op then runs whole.
+using PlaceRule = bool (*)(const RuleCall&, RuleResult&);
+
+struct RuleEntry {
+  PlaceRule fn = nullptr;
+  const char* family = "";
+};
+
+// The rule for `op`, or nullptr when none is registered (cached per op, thread-safe).
+const RuleEntry* placement_rule(const c10::OperatorHandle& op);
+// Registers `fn` for each op ("aten::add.Tensor"; a name without an overload covers every overload).
+void register_placement_rules(const char* family, std::initializer_list<const char*> ops, PlaceRule fn);
+// Ops tagged pointwise in native_functions.yaml (or whose functional form is) get `fn` by default.
+void register_pointwise_default(PlaceRule fn);
+
+} // namespace lazymem

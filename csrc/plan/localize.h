@@ -1,0 +1,36 @@
+// plan: view geometry under splitting. A batch-sharded buffer's storage is [outer][batch][row]; a
+// chunk-local storage is [outer][chunk][row]. A view of the buffer is localized by its strides:
+// outer dims rescale, the dim whose major factor is the batch shrinks to the chunk, dims inside a
+// row are unchanged. Anything else (a slice or select along the batch, a flatten with the batch as a
+// minor factor, rows that overlap) cannot be localized. Narrowing is the other binding: the same view
+// restricted to the chunk's rows, for values kept whole (replicated values used row by row, results
+// assembled in full storage). Pure integer geometry, shared by the planner and the executor.
+#pragma once
+
+#include <optional>
+
+#include "ir/node.h"
+#include "plan/plan.h"
+
+namespace lazymem {
+
+struct BatchDim {
+  int8_t dim = -1;   // the view dim carrying the batch
+  int64_t unit = 1;  // that dim's size is batch * unit
+};
+
+// Where the batch sits in `view` of a buffer with `layout`, or nullopt if the view cannot be
+// localized (it does not cover every batch row exactly once, batch-major).
+std::optional<BatchDim> analyze_view(const TensorMeta& view, const RowLayout& layout);
+
+// The row layout of a buffer of `nbytes` whose view `view` has the batch (`rows` rows) at `at`, or
+// nullopt when the storage is not [outer][rows][row] with that view covering it.
+std::optional<RowLayout> layout_of(const TensorMeta& view, size_t nbytes, BatchDim at, int64_t rows);
+
+// `view` (analyzed against `layout`) over a chunk-local storage of `chunk_rows` rows.
+TensorMeta localize(const TensorMeta& view, const RowLayout& layout, int64_t chunk_rows);
+
+// `view` restricted to batch rows [start, start + rows) along `dim` (unit elements per row).
+TensorMeta narrow_rows(const TensorMeta& view, int64_t dim, int64_t unit, int64_t start, int64_t rows);
+
+} // namespace lazymem

@@ -1,0 +1,64 @@
+// plan: the planner's entry point and the Plan's text form.
+#include "plan/planner.h"
+
+#include <sstream>
+
+#include "core/config.h"
+#include "ops/op_rules.h"
+#include "plan/schedule.h"
+
+namespace lazymem {
+namespace {
+
+// One whole stage: the schedule's nodes in program order, each buffer released after its last use.
+Plan whole_plan(const PlanInput& in, const Schedule& s) {
+  Plan plan;
+  plan.budget = in.budget;
+  plan.resident = in.resident;
+  plan.eliminated = s.eliminated;
+  plan.executed_nodes = s.run.size();
+  plan.release_unused = s.release_unused;
+  Stage st;
+  st.nodes.reserve(s.run.size());
+  for (size_t p = 0; p < s.run.size(); ++p) {
+    Node* n = in.nodes[s.run[p]];
+    PlannedNode pn(n, s.run[p]);
+    pn.release = s.release[p];
+    pn.placeholder_outputs = op_rules(n->op).placeholder_outputs;
+    st.nodes.push_back(std::move(pn));
+  }
+  plan.stages.push_back(std::move(st));
+  return plan;
+}
+
+} // namespace
+
+Plan make_plan(const PlanInput& in) {
+  std::vector<const Node*> nodes(in.nodes.begin(), in.nodes.end());
+  Schedule s = plan_segment(nodes, in.live_out);
+  return whole_plan(in, s);
+}
+
+std::string Plan::to_string() const {
+  std::ostringstream os;
+  os << (split ? "split" : "unsplit") << " plan: " << executed_nodes << " nodes run, " << eliminated
+     << " eliminated";
+  if (!retained.empty()) os << ", " << retained.size() << " kept pending";
+  os << "; predicted peak " << format_bytes(predicted_peak);
+  if (budget >= 0) os << " of a " << format_bytes(budget) << " budget";
+  os << "\n";
+  for (size_t i = 0; i < stages.size(); ++i) {
+    const Stage& st = stages[i];
+    if (st.loop) {
+      os << "  stage " << i << ": loop over " << st.batch << " rows in " << st.chunks() << " chunks of "
+         << st.chunk << ", " << st.nodes.size() << " nodes, " << st.accs.size() << " accumulators, "
+         << st.stores.size() << " assembled\n";
+    } else {
+      os << "  stage " << i << ": " << st.nodes.size() << " nodes run once\n";
+    }
+  }
+  for (const std::string& n : notes) os << "  " << n << "\n";
+  return os.str();
+}
+
+} // namespace lazymem

@@ -1,0 +1,137 @@
+// plan: the Plan — plain data that tells execute/ everything it does, and the planner's entry
+// point. A plan is a sequence of stages: whole stages run nodes once on whole buffers (every
+// unsplit materialization is one whole stage); loop stages run their nodes chunk by chunk along the
+// batch, binding each operand to the chunk's rows, a chunk-local storage or a partial, then finish
+// partial results into accumulators. Every per-node decision (bindings, argument rewrites, which
+// overload runs, what is accumulated, stored, released, retained) is made here, so execute/ never
+// consults op rules. Pure: no device, no kernels; tested without a device.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ir/node.h"
+#include "ops/placement.h"
+
+namespace lazymem {
+
+// The storage of a batch-sharded buffer: `outer` blocks of `rows` batch rows of `row_bytes` each.
+struct RowLayout {
+  int64_t outer = 1;
+  int64_t rows = 0;
+  int64_t row_bytes = 0;
+  int64_t bytes(int64_t chunk_rows) const {
+    return outer * chunk_rows * row_bytes;
+  }
+  bool operator==(const RowLayout& o) const {
+    return outer == o.outer && rows == o.rows && row_bytes == o.row_bytes;
+  }
+};
+
+// Where a buffer's value lives while a loop runs.
+enum class Store : uint8_t {
+  kLocal,   // chunk-local storage [outer][chunk rows][row], allocated and freed within each chunk
+  kPartial, // chunk-local partial of a P value, accumulated after its last write in the chunk
+};
+
+struct Slot {
+  LazyBuffer* buf = nullptr;
+  Store store = Store::kLocal;
+  RowLayout layout;    // kLocal
+  int64_t bytes = 0;   // kPartial: the partial's size (the whole value's)
+  int32_t acc = -1;    // kPartial: index into Stage::accs
+};
+
+enum class Bind : uint8_t {
+  kWhole,   // the buffer's real storage with the recorded view
+  kLocal,   // the slot's chunk-local storage with the localized view
+  kNarrow,  // the buffer's full storage (real, on the device or the host), view narrowed to the rows
+  kPartial, // the slot's partial with the recorded view
+  kDiscard, // (defs only) a result this plan does not need: dropped
+};
+
+struct Bound {
+  Bind bind = Bind::kWhole;
+  int8_t dim = -1;     // kLocal / kNarrow: the view dim carrying the batch
+  int64_t unit = 1;
+  int32_t slot = -1;   // kLocal / kPartial
+};
+
+// A host tensor in the node's arguments (an upload's source) narrowed to the chunk's rows.
+struct ConstNarrow {
+  int32_t arg = -1;
+  int32_t elem = -1;
+  int8_t dim = -1;
+  int64_t unit = 1;
+};
+
+struct PlannedNode {
+  Node* node = nullptr;
+  int32_t index = -1;               // position in the detached program
+  c10::OperatorHandle op;           // usually node->op; a rule may replace the overload
+  // Loop stages only (whole stages bind everything whole):
+  std::vector<Bound> uses;          // parallel to node->uses
+  std::vector<Bound> defs;          // parallel to node->defs
+  std::vector<ConstNarrow> consts;
+  std::vector<ArgRewrite> rewrites;
+  std::vector<double> post_div;     // parallel to defs: divide each chunk's result by this (0: none)
+  std::vector<int32_t> accumulate;  // slots whose partial is complete after this node
+  std::vector<int32_t> free_slots;  // slots whose chunk-local storage dies after this node
+  // Whole stages: buffers whose real data dies after this node.
+  std::vector<LazyBuffer*> release;
+  bool placeholder_outputs = false; // outputs whose shapes the kernel may not match (BN placeholders)
+  uint32_t rng_block = 0;           // > 0: random draws keyed by batch row blocks (see node->rng_seed)
+
+  PlannedNode(Node* n, int32_t i) : node(n), index(i), op(n->op) {}
+};
+
+struct Accumulator {
+  int32_t slot = -1;
+  LazyBuffer* buf = nullptr;
+  TensorMeta meta;               // the whole value's view (the producing def's)
+  uint32_t version = 0;          // the version the finished value is
+  Reduce reduce = Reduce::kSum;
+  Finalize::Kind finalize = Finalize::kNone;
+  double divisor = 1.0;          // kDivConst
+  LazyBuffer* divide_by = nullptr; // kDivOutput: a buffer finished before this one
+};
+
+// A batch-sharded buffer given full storage for the whole loop: written (or read) chunk by chunk
+// through narrowed views, readable whole after the loop.
+struct FullStore {
+  LazyBuffer* buf = nullptr;
+  bool host = false;      // in host memory (not counted against the device budget)
+  uint32_t version = 0;   // its version when the loop ends
+};
+
+struct Stage {
+  bool loop = false;
+  std::vector<PlannedNode> nodes;
+  // Loop stages:
+  int64_t batch = 0;
+  int64_t chunk = 0;      // rows per chunk (the last one may be smaller)
+  std::vector<Slot> slots;
+  std::vector<Accumulator> accs;
+  std::vector<FullStore> stores;
+  std::vector<LazyBuffer*> release_after; // whole buffers whose last use is in this stage
+  int64_t chunks() const {
+    return chunk > 0 ? (batch + chunk - 1) / chunk : 0;
+  }
+};
+
+struct Plan {
+  std::vector<Stage> stages;
+  std::vector<LazyBuffer*> release_unused; // dead values no executed node touches
+  std::vector<int32_t> retained;           // segment indices of nodes put back pending (not destroyed)
+  size_t eliminated = 0;
+  size_t executed_nodes = 0;
+  bool split = false;
+  int64_t budget = -1;                     // bytes lazymem may hold (-1: unlimited)
+  int64_t resident = 0;                    // device bytes held when the plan starts
+  int64_t predicted_peak = 0;              // device bytes at the predicted peak (resident included)
+  std::vector<std::string> notes;          // why it split or not, barriers, what was retained
+  std::string to_string() const;
+};
+
+} // namespace lazymem

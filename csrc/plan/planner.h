@@ -1,0 +1,23 @@
+// plan: the planner's entry point. Given the detached program, what the sync point needs and what
+// must survive it, and the memory budget, it returns the Plan: unsplit (one whole stage, exactly
+// eager's kernels in program order) when the program fits, split along the batch otherwise.
+#pragma once
+
+#include <functional>
+#include <vector>
+
+#include "plan/plan.h"
+
+namespace lazymem {
+
+struct PlanInput {
+  std::vector<Node*> nodes;                           // the detached program, in program order
+  std::function<bool(const LazyBuffer&)> live_out;    // values that must survive the plan
+  int64_t budget = -1;                                // bytes lazymem may hold (-1: unlimited)
+  int64_t resident = 0;                               // device bytes held before the plan runs
+  int64_t force_chunks = 0;                           // > 0: split every loop into this many chunks
+};
+
+Plan make_plan(const PlanInput& in);
+
+} // namespace lazymem
