@@ -16,11 +16,13 @@ from ._registration import register as _register
 from .api import (
     backing_device,
     buffer_info,
+    memory_budget,
     program,
     reset_stats,
     set_backing_device,
     set_debug,
     set_flush_threshold,
+    set_memory_budget,
     stats,
     sync,
 )
@@ -28,11 +30,13 @@ from .api import (
 __all__ = [
     "backing_device",
     "buffer_info",
+    "memory_budget",
     "program",
     "reset_stats",
     "set_backing_device",
     "set_debug",
     "set_flush_threshold",
+    "set_memory_budget",
     "stats",
     "sync",
 ]

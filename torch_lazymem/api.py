@@ -53,6 +53,27 @@ def set_flush_threshold(nodes: int = 0, bytes: Union[int, str] = 0) -> None:
     _C._set_flush_threshold(int(nodes), nbytes)
 
 
+def set_memory_budget(budget: Union[int, str, None]) -> None:
+    """Caps the device memory lazymem may hold (resident values included) at ``budget`` bytes, or a
+    string such as ``"6GiB"``; ``None`` restores the default: the backing device's free memory plus
+    what lazymem holds, minus a margin (the capacity on a simulated device). A materialization that
+    does not fit is split along the batch. Also ``LAZYMEM_MEMORY_BUDGET``."""
+    if budget is None:
+        _C._set_memory_budget(-1)
+        return
+    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
+        raise TypeError(f"lazymem: set_memory_budget expects bytes, a string such as '6GiB', or None; got {budget!r}")
+    nbytes = _C._parse_bytes(budget) if isinstance(budget, str) else int(budget)
+    if nbytes < 0:
+        raise ValueError(f"lazymem: the memory budget must be non-negative, got {budget!r}")
+    _C._set_memory_budget(nbytes)
+
+
+def memory_budget() -> int:
+    """The budget in bytes the next materialization is planned against (-1: unknown, no limit)."""
+    return int(_C._memory_budget())
+
+
 def program(max_nodes: int = 200) -> str:
     """The pending program as text."""
     return str(_C._program_str(max_nodes))

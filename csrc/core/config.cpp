@@ -29,6 +29,13 @@ std::map<std::string, int64_t> Stats::snapshot() const {
       {"peak_bytes", ld(peak_bytes)},
       {"auto_flushes", ld(auto_flushes)},
       {"outputs_copied", ld(outputs_copied)},
+      {"predicted_peak_bytes", ld(predicted_peak_bytes)},
+      {"splits", ld(splits)},
+      {"chunks", ld(chunks)},
+      {"passes", ld(passes)},
+      {"barriers", ld(barriers)},
+      {"batch_conflicts", ld(batch_conflicts)},
+      {"nodes_kept_pending", ld(nodes_kept_pending)},
   };
 }
 
@@ -44,6 +51,13 @@ void Stats::reset() {
   peak_bytes = 0;
   auto_flushes = 0;
   outputs_copied = 0;
+  predicted_peak_bytes = 0;
+  splits = 0;
+  chunks = 0;
+  passes = 0;
+  barriers = 0;
+  batch_conflicts = 0;
+  nodes_kept_pending = 0;
 }
 
 static Config* make_config() {
@@ -59,6 +73,9 @@ static Config* make_config() {
   }
   if (const char* m = std::getenv("LAZYMEM_META_CACHE_SIZE")) {
     c->meta_cache_capacity = std::strtoull(m, nullptr, 10);
+  }
+  if (const char* m = std::getenv("LAZYMEM_MEMORY_BUDGET")) {
+    if (*m) c->memory_budget = parse_bytes(m);
   }
   return c;
 }
@@ -104,6 +121,8 @@ std::string format_bytes(int64_t n) {
   double v = static_cast<double>(n);
   if (n < 0) {
     std::snprintf(buf, sizeof(buf), "unlimited");
+  } else if (v >= 1024.0 * 1024 * 1024 * 1024) {
+    std::snprintf(buf, sizeof(buf), "%.2f TiB", v / (1024.0 * 1024 * 1024 * 1024));
   } else if (v >= 1024.0 * 1024 * 1024) {
     std::snprintf(buf, sizeof(buf), "%.2f GiB", v / (1024.0 * 1024 * 1024));
   } else if (v >= 1024.0 * 1024) {

@@ -23,6 +23,13 @@ struct Stats {
   std::atomic<int64_t> peak_bytes{0};        // peak device bytes during the last materialization
   std::atomic<uint64_t> auto_flushes{0};
   std::atomic<uint64_t> outputs_copied{0};   // kernel results copied into their buffer (layout differed)
+  std::atomic<int64_t> predicted_peak_bytes{0}; // the memory model's peak for the last materialization
+  std::atomic<uint64_t> splits{0};           // materializations that split along the batch
+  std::atomic<int64_t> chunks{0};            // chunks of the last split's largest loop
+  std::atomic<int64_t> passes{0};            // loops (passes over the batch) of the last split
+  std::atomic<uint64_t> barriers{0};         // nodes with batch-sharded inputs that ran whole (no rule)
+  std::atomic<uint64_t> batch_conflicts{0};  // materializations whose data leaves disagree on the batch
+  std::atomic<uint64_t> nodes_kept_pending{0}; // nodes a split left pending (recomputed when needed)
   std::map<std::string, int64_t> snapshot() const;
   void reset();
 };
@@ -40,6 +47,11 @@ struct Config {
   std::atomic<uint64_t> flush_threshold_bytes{0};
   // Meta-inference cache entries kept before the cache is cleared (LAZYMEM_META_CACHE_SIZE).
   std::atomic<uint64_t> meta_cache_capacity{1u << 16};
+  // Bytes lazymem may hold on the backing device (-1: its free memory, or the simulated capacity).
+  // LAZYMEM_MEMORY_BUDGET, torch_lazymem.set_memory_budget().
+  std::atomic<int64_t> memory_budget{-1};
+  // > 0: split every materialization into this many chunks, memory permitting or not (testing).
+  std::atomic<int64_t> force_chunks{0};
 };
 Config& config();
 

@@ -13,6 +13,7 @@
 #include "execute/bind.h"
 #include "execute/real.h"
 #include "execute/replay.h"
+#include "plan/workspace.h"
 
 namespace lazymem {
 namespace {
@@ -60,15 +61,17 @@ class Walker {
 
  private:
   // Runs one node, poisoning its outputs on failure. Returns false on out of memory.
-  bool run_node(const PlannedNode& pn, Binder& binder) {
+  bool run_node(const PlannedNode& pn, Binder& binder, int64_t rows) {
     const Node& n = *pn.node;
     if (std::exception_ptr poison = input_poison(n)) {
       poison_outputs(n, poison);
       return true;
     }
     try {
+      if (counting_) device_counter().reset_node_peak();
       replay(pn, binder, stack_);
       ++out_.executed;
+      if (counting_) learn(pn, rows);
     } catch (const c10::OutOfMemoryError&) {
       stack_.clear();
       out_.oom = std::current_exception();
@@ -83,11 +86,17 @@ class Walker {
     return true;
   }
 
+  // The node's transient bytes beyond what it left allocated (its outputs): its workspace.
+  void learn(const PlannedNode& pn, int64_t rows) {
+    int64_t ws = device_counter().node_peak() - device_counter().allocated();
+    if (ws > 0) Workspace::get().observe(workspace_key(pn), &pn.op.schema(), rows, ws);
+  }
+
   bool run_whole(const Stage& st, size_t s) {
     Binder binder(st);
     for (size_t p = 0; p < st.nodes.size(); ++p) {
       const PlannedNode& pn = st.nodes[p];
-      if (!run_node(pn, binder)) {
+      if (!run_node(pn, binder, 0)) {
         out_.node = p;
         return false;
       }
@@ -114,7 +123,7 @@ class Walker {
       const int64_t rows = std::min(st.chunk, st.batch - start);
       binder.begin_chunk(start, rows);
       for (const PlannedNode& pn : st.nodes) {
-        if (!run_node(pn, binder)) {
+        if (!run_node(pn, binder, rows)) {
           binder.end_chunk();
           abandon_loop(st);
           return false;
@@ -155,6 +164,7 @@ class Walker {
   const Plan& plan_;
   ExecOutcome out_;
   torch::jit::Stack stack_;
+  const bool counting_ = backing_device().is_cpu(); // the counting allocator sees every byte
 };
 
 } // namespace

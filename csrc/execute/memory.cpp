@@ -1,16 +1,27 @@
 // execute: counting CPU allocator and memory counters.
 #include "execute/memory.h"
 
+#include <chrono>
+#include <cstdio>
 #include <mutex>
 #include <vector>
+
+#include <unistd.h>
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/alignment.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <ATen/Parallel.h>
 
 #include "core/check.h"
 #include "core/config.h"
+#include "core/runtime.h"
+#include "core/version.h"
+#include "ir/buffer.h"
+#if LAZYMEM_TORCH_AT_LEAST(2, 9)
+#include <c10/core/CachingDeviceAllocator.h>
+#endif
 
 namespace lazymem {
 
@@ -28,6 +39,8 @@ void MemoryCounter::charge(size_t n) {
   while (now > p && !peak_.compare_exchange_weak(p, now)) {}
   p = window_peak_.load(std::memory_order_relaxed);
   while (now > p && !window_peak_.compare_exchange_weak(p, now)) {}
+  p = node_peak_.load(std::memory_order_relaxed);
+  while (now > p && !node_peak_.compare_exchange_weak(p, now)) {}
 }
 
 void MemoryCounter::release(size_t n) {
@@ -47,6 +60,19 @@ MemoryCounter& eager_counter() {
 namespace {
 
 thread_local MemoryCounter* t_counter = nullptr;
+// The counter intra-op worker threads charge (the scope that runs kernels on their behalf).
+std::atomic<MemoryCounter*> g_workers{nullptr};
+std::atomic<int64_t> g_worker_allocations{0};
+
+MemoryCounter* counter_for_this_thread() {
+  if (MemoryCounter* c = t_counter) return c;
+  MemoryCounter* w = g_workers.load(std::memory_order_acquire);
+  if (w && (at::in_parallel_region() || c10::ParallelGuard::is_enabled())) {
+    g_worker_allocations.fetch_add(1, std::memory_order_relaxed);
+    return w;
+  }
+  return nullptr;
+}
 
 // Every block carries a header recording its size and the counter it was charged to, so frees
 // are exact on any thread, after any scope has ended. The header keeps the data 64-byte aligned.
@@ -67,14 +93,17 @@ void counted_free(void* p) {
 class CountingCPUAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t n) override {
-    MemoryCounter* c = t_counter;
+    MemoryCounter* c = counter_for_this_thread();
     if (c) c->charge(n);
     void* raw = nullptr;
     try {
       raw = c10::alloc_cpu(n + kHeader);
-    } catch (...) {
+    } catch (const c10::Error&) {
       if (c) c->release(n);
-      throw;
+      // The host itself has no room: an out-of-memory error like any other, not a bare RuntimeError.
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "lazymem: ", c ? c->name() : "the host", " out of memory. Tried to allocate ",
+                       format_bytes(static_cast<int64_t>(n)), " and the host could not provide it",
+                       c ? (", with " + format_bytes(c->allocated()) + " already allocated.") : std::string("."));
     }
     auto* h = static_cast<Header*>(raw);
     h->counter = c;
@@ -97,13 +126,20 @@ bool g_installed = false;
 
 } // namespace
 
-CountingScope::CountingScope(MemoryCounter* counter) : prev_(t_counter) {
+CountingScope::CountingScope(MemoryCounter* counter, bool workers)
+    : prev_(t_counter), prev_workers_(nullptr), workers_(workers && counter) {
   if (counter) install_counting_cpu_allocator();
   t_counter = counter;
+  if (workers_) prev_workers_ = g_workers.exchange(counter, std::memory_order_acq_rel);
 }
 
 CountingScope::~CountingScope() {
   t_counter = prev_;
+  if (workers_) g_workers.store(prev_workers_, std::memory_order_release);
+}
+
+int64_t worker_allocations() {
+  return g_worker_allocations.load(std::memory_order_relaxed);
 }
 
 MemoryCounter* current_counting_scope() {
@@ -111,19 +147,78 @@ MemoryCounter* current_counting_scope() {
 }
 
 namespace {
-thread_local std::vector<MemoryCounter*> t_scope_stack;
+thread_local std::vector<std::pair<MemoryCounter*, MemoryCounter*>> t_scope_stack;
 } // namespace
 
 void push_counting_scope(MemoryCounter* counter) {
   if (counter) install_counting_cpu_allocator();
-  t_scope_stack.push_back(t_counter);
+  t_scope_stack.emplace_back(t_counter, g_workers.load());
   t_counter = counter;
+  if (counter) g_workers.store(counter, std::memory_order_release);
 }
 
 void pop_counting_scope() {
   if (t_scope_stack.empty()) return;
-  t_counter = t_scope_stack.back();
+  t_counter = t_scope_stack.back().first;
+  g_workers.store(t_scope_stack.back().second, std::memory_order_release);
   t_scope_stack.pop_back();
+}
+
+namespace {
+
+// The host's available memory (MemAvailable: free plus reclaimable caches), read at most every
+// 100 ms (a sync point may run thousands of times a second).
+int64_t host_available() {
+  static std::mutex mu;
+  static int64_t cached = -1;
+  static std::chrono::steady_clock::time_point at;
+  std::lock_guard<std::mutex> lock(mu);
+  auto now = std::chrono::steady_clock::now();
+  if (cached >= 0 && now - at < std::chrono::milliseconds(100)) return cached;
+  int64_t kb = -1;
+  if (FILE* f = std::fopen("/proc/meminfo", "r")) {
+    char line[256];
+    while (std::fgets(line, sizeof(line), f)) {
+      long long v = 0;
+      if (std::sscanf(line, "MemAvailable: %lld kB", &v) == 1) {
+        kb = v;
+        break;
+      }
+    }
+    std::fclose(f);
+  }
+  cached = kb >= 0 ? kb * 1024 : static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
+  at = now;
+  return cached;
+}
+
+int64_t with_margin(int64_t total) {
+  // Room for allocator rounding and fragmentation, library workspaces and the rest of the process.
+  int64_t margin = std::max<int64_t>(int64_t{256} << 20, total / 10);
+  return std::max<int64_t>(0, total - margin);
+}
+
+} // namespace
+
+int64_t memory_budget() {
+  const int64_t user = config().memory_budget.load(std::memory_order_relaxed);
+  c10::Device dev = backing_device();
+  if (dev.is_cpu()) {
+    const int64_t cap = device_counter().capacity();
+    if (cap >= 0) return user >= 0 ? std::min(user, cap) : cap;
+    if (user >= 0) return user;
+    return with_margin(host_available() + device_counter().allocated());
+  }
+  if (user >= 0) return user;
+#if LAZYMEM_TORCH_AT_LEAST(2, 9)
+  try {
+    auto [free, total] = c10::getDeviceAllocator(dev.type())->getMemoryInfo(dev.index());
+    (void)total;
+    return with_margin(static_cast<int64_t>(free) + resident_bytes());
+  } catch (const c10::Error&) {
+  }
+#endif
+  return -1; // unknown: plan without a budget (nothing splits unless asked to)
 }
 
 bool install_counting_cpu_allocator() {

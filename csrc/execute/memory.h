@@ -25,6 +25,9 @@ class MemoryCounter {
   void set_capacity(int64_t bytes) { capacity_.store(bytes); } // -1 = unlimited
   void reset_peak() { peak_.store(allocated()); }
   void reset_window_peak() { window_peak_.store(allocated()); }
+  // The peak since the last reset_node_peak(): the executor measures each node's transient bytes.
+  int64_t node_peak() const { return node_peak_.load(std::memory_order_relaxed); }
+  void reset_node_peak() { node_peak_.store(allocated(), std::memory_order_relaxed); }
   const char* name() const { return name_; }
 
  private:
@@ -32,22 +35,28 @@ class MemoryCounter {
   std::atomic<int64_t> allocated_{0};
   std::atomic<int64_t> peak_{0};
   std::atomic<int64_t> window_peak_{0};
+  std::atomic<int64_t> node_peak_{0};
   std::atomic<int64_t> capacity_{-1};
 };
 
 MemoryCounter& device_counter(); // lazymem's backing device (the simulated GPU)
 MemoryCounter& eager_counter();  // memory_cap() for plain eager code
 
-// While alive, CPU allocations on this thread are charged to `counter` (nullptr: none).
+// While alive, CPU allocations on this thread are charged to `counter` (nullptr: none), and so are
+// allocations made by intra-op worker threads (at::parallel_for) on its behalf: workers inside a
+// parallel region with no scope of their own charge the innermost live scope that asked for them
+// (`workers`). Kernels such as slow_conv2d's backward allocate per-thread buffers there.
 class CountingScope {
  public:
-  explicit CountingScope(MemoryCounter* counter);
+  explicit CountingScope(MemoryCounter* counter, bool workers = false);
   ~CountingScope();
   CountingScope(const CountingScope&) = delete;
   CountingScope& operator=(const CountingScope&) = delete;
 
  private:
   MemoryCounter* prev_;
+  MemoryCounter* prev_workers_;
+  bool workers_;
 };
 
 MemoryCounter* current_counting_scope();
@@ -55,6 +64,13 @@ MemoryCounter* current_counting_scope();
 // until the matching pop.
 void push_counting_scope(MemoryCounter* counter);
 void pop_counting_scope();
+// Allocations charged from worker threads of a parallel region since the process started.
+int64_t worker_allocations();
+// Bytes lazymem may hold on the backing device, resident values included: the user's budget
+// (torch_lazymem.set_memory_budget / LAZYMEM_MEMORY_BUDGET), capped by the simulated device's
+// capacity; by default the capacity, or the device's free memory plus what lazymem already holds,
+// minus a margin (CUDA: the caching allocator's memory info; CPU: the host's available memory).
+int64_t memory_budget();
 // Installs the counting CPU allocator; idempotent. Returns false (and leaves counting off) if
 // another allocator with a higher priority owns the CPU slot.
 bool install_counting_cpu_allocator();

@@ -18,7 +18,7 @@ MemoryCounter* counter_for_backing() {
 
 } // namespace
 
-ReplayScope::ReplayScope() : exclude_(kAboveBackendKeys), counting_(counter_for_backing()) {}
+ReplayScope::ReplayScope() : exclude_(kAboveBackendKeys), counting_(counter_for_backing(), /*workers=*/true) {}
 
 c10::Storage allocate_real(size_t nbytes) {
   c10::Device dev = backing_device();

@@ -31,6 +31,10 @@ struct LazyBuffer : c10::intrusive_ptr_target {
   uint32_t pending_writes = 0;   // pending nodes that write it (defs and in-place writes)
   uint64_t live_epoch = 0;       // epoch of the last detached segment whose live-out set holds it
 
+  // --- planner scratch: valid while one plan is built, under the flush mutex ---
+  uint64_t plan_stamp = 0;
+  int64_t plan_bytes = 0;
+
   // --- written only by the thread holding the flush mutex ---
   c10::Storage real;             // data on the backing device, holding version real_version
   bool real_on_host = false;     // ...or in host memory (a split result larger than the budget)

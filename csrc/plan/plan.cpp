@@ -5,6 +5,7 @@
 
 #include "core/config.h"
 #include "ops/op_rules.h"
+#include "plan/memory.h"
 #include "plan/schedule.h"
 
 namespace lazymem {
@@ -36,7 +37,15 @@ Plan whole_plan(const PlanInput& in, const Schedule& s) {
 Plan make_plan(const PlanInput& in) {
   std::vector<const Node*> nodes(in.nodes.begin(), in.nodes.end());
   Schedule s = plan_segment(nodes, in.live_out);
-  return whole_plan(in, s);
+  Plan plan = whole_plan(in, s);
+  MemoryModel model = model_memory(plan);
+  const MemPoint* at = nullptr;
+  plan.predicted_peak = model.peak(plan, &at);
+  if (in.budget >= 0 && plan.predicted_peak > in.budget && at && at->node) {
+    plan.notes.push_back("does not fit: predicted peak " + format_bytes(plan.predicted_peak) + " at " +
+                         at->node->describe() + " exceeds the budget of " + format_bytes(in.budget));
+  }
+  return plan;
 }
 
 std::string Plan::to_string() const {

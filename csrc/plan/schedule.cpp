@@ -8,30 +8,6 @@
 namespace lazymem {
 namespace {
 
-// Dense numbering of the segment's buffers, so the passes below use vectors instead of hash maps.
-class BufferIndex {
- public:
-  explicit BufferIndex(size_t expected) {
-    index_.reserve(expected);
-    buffers_.reserve(expected);
-  }
-  int32_t of(LazyBuffer* b) {
-    auto [it, inserted] = index_.emplace(b, static_cast<int32_t>(buffers_.size()));
-    if (inserted) buffers_.push_back(b);
-    return it->second;
-  }
-  size_t size() const {
-    return buffers_.size();
-  }
-  LazyBuffer* at(size_t i) const {
-    return buffers_[i];
-  }
-
- private:
-  std::unordered_map<const LazyBuffer*, int32_t> index_;
-  std::vector<LazyBuffer*> buffers_;
-};
-
 // Needed versions of one buffer: a small set, usually one or two entries.
 struct Needs {
   c10::SmallVector<uint32_t, 2> versions;
@@ -46,23 +22,42 @@ struct Needs {
 
 } // namespace
 
+ProgramIndex ProgramIndex::build(const std::vector<const Node*>& nodes) {
+  ProgramIndex ix;
+  const size_t n = nodes.size();
+  std::unordered_map<const LazyBuffer*, int32_t> index;
+  index.reserve(n * 2);
+  ix.buffers.reserve(n * 2);
+  auto of = [&](LazyBuffer* b) {
+    auto [it, inserted] = index.emplace(b, static_cast<int32_t>(ix.buffers.size()));
+    if (inserted) ix.buffers.push_back(b);
+    return it->second;
+  };
+  ix.def_start.resize(n + 1);
+  ix.use_start.resize(n + 1);
+  for (size_t i = 0; i < n; ++i) {
+    ix.def_start[i] = static_cast<int32_t>(ix.def_ix.size());
+    ix.use_start[i] = static_cast<int32_t>(ix.use_ix.size());
+    for (const auto& d : nodes[i]->defs) ix.def_ix.push_back(of(d.ref.buf.get()));
+    for (const auto& u : nodes[i]->uses) ix.use_ix.push_back(of(u.ref.buf.get()));
+  }
+  ix.def_start[n] = static_cast<int32_t>(ix.def_ix.size());
+  ix.use_start[n] = static_cast<int32_t>(ix.use_ix.size());
+  return ix;
+}
+
 Schedule plan_segment(const std::vector<const Node*>& nodes,
                       const std::function<bool(const LazyBuffer&)>& live_out) {
   Schedule s;
   const int32_t n = static_cast<int32_t>(nodes.size());
 
   // Number every buffer once; remember each ref's index (defs first, then uses, per node).
-  BufferIndex index(nodes.size() * 2);
-  std::vector<int32_t> def_ix, use_ix;
-  std::vector<int32_t> def_start(n + 1), use_start(n + 1);
-  for (int32_t i = 0; i < n; ++i) {
-    def_start[i] = static_cast<int32_t>(def_ix.size());
-    use_start[i] = static_cast<int32_t>(use_ix.size());
-    for (const auto& d : nodes[i]->defs) def_ix.push_back(index.of(d.ref.buf.get()));
-    for (const auto& u : nodes[i]->uses) use_ix.push_back(index.of(u.ref.buf.get()));
-  }
-  def_start[n] = static_cast<int32_t>(def_ix.size());
-  use_start[n] = static_cast<int32_t>(use_ix.size());
+  s.index = ProgramIndex::build(nodes);
+  const ProgramIndex& index = s.index;
+  const std::vector<int32_t>& def_ix = index.def_ix;
+  const std::vector<int32_t>& use_ix = index.use_ix;
+  const std::vector<int32_t>& def_start = index.def_start;
+  const std::vector<int32_t>& use_start = index.use_start;
   const size_t nb = index.size();
 
   // The last version each buffer reaches inside the segment; live buffers need it.
@@ -78,10 +73,11 @@ Schedule plan_segment(const std::vector<const Node*>& nodes,
       if (u.write) v = std::max(v, u.write_version);
     }
   }
-  std::vector<char> live(nb, 0);
+  s.live.assign(nb, 0);
+  std::vector<char>& live = s.live;
   std::vector<Needs> need(nb);
   for (size_t b = 0; b < nb; ++b) {
-    live[b] = live_out(*index.at(b)) ? 1 : 0;
+    live[b] = live_out(*index.buffers[b]) ? 1 : 0;
     if (live[b]) need[b].add(last_version[b]);
   }
 
@@ -122,9 +118,9 @@ Schedule plan_segment(const std::vector<const Node*>& nodes,
   for (size_t b = 0; b < nb; ++b) {
     if (live[b]) continue;
     if (last_use[b] >= 0) {
-      s.release[last_use[b]].push_back(index.at(b));
+      s.release[last_use[b]].push_back(index.buffers[b]);
     } else {
-      s.release_unused.push_back(index.at(b));
+      s.release_unused.push_back(index.buffers[b]);
     }
   }
   return s;

@@ -18,6 +18,7 @@
 #include "device/phantom.h"
 #include "execute/memory.h"
 #include "ir/program.h"
+#include "plan/workspace.h"
 #include "record/meta.h"
 
 namespace py = pybind11;
@@ -172,6 +173,15 @@ PYBIND11_MODULE(_C, m) {
   m.def("_flush_threshold", [] {
     return std::make_pair(config().flush_threshold_nodes.load(), config().flush_threshold_bytes.load());
   });
+
+  m.def("_set_memory_budget", [](int64_t bytes) { config().memory_budget = bytes; });
+  m.def("_user_memory_budget", [] { return config().memory_budget.load(); });
+  m.def("_memory_budget", [] { return memory_budget(); });
+  m.def("_set_force_chunks", [](int64_t n) { config().force_chunks = n; });
+  m.def("_force_chunks", [] { return config().force_chunks.load(); });
+  m.def("_worker_allocations", worker_allocations);
+  m.def("_workspace_entries", [] { return Workspace::get().size(); });
+  m.def("_clear_workspace", [] { Workspace::get().clear(); });
 
   m.def("_pending_nodes", [] { return Program::get().pending_count(); });
   m.def("_program_str", [](size_t max_nodes) { return Program::get().to_string(max_nodes); }, py::arg("max_nodes") = 200);

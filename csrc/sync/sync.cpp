@@ -45,6 +45,7 @@ void record_stats(const Plan& plan, const ExecOutcome& out) {
   st.nodes_executed.fetch_add(out.executed, std::memory_order_relaxed);
   st.nodes_eliminated.fetch_add(plan.eliminated, std::memory_order_relaxed);
   st.peak_bytes.store(out.peak, std::memory_order_relaxed);
+  st.predicted_peak_bytes.store(plan.predicted_peak, std::memory_order_relaxed);
 }
 
 // Puts back, in program order, every node the plan leaves pending: the ones it retains and, after an
@@ -75,6 +76,8 @@ void run_segment(Segment& seg) {
   for (const auto& n : seg.nodes) in.nodes.push_back(n.get());
   in.live_out = [&](const LazyBuffer& b) { return seg.is_live_out(b); };
   in.resident = device_bytes_held();
+  in.budget = memory_budget();
+  in.force_chunks = config().force_chunks.load(std::memory_order_relaxed);
   const auto t0 = std::chrono::steady_clock::now();
   Plan plan = make_plan(in);
   if (config().debug >= 2) std::fprintf(stderr, "[lazymem] %s", plan.to_string().c_str());
@@ -83,8 +86,9 @@ void run_segment(Segment& seg) {
   size_t pending = put_back(seg, plan, out);
   if (config().debug) {
     double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    std::fprintf(stderr, "[lazymem] materialized: %zu nodes run, %zu eliminated, peak %s, %.2f ms\n", out.executed,
-                 plan.eliminated, format_bytes(out.peak).c_str(), ms);
+    std::fprintf(stderr, "[lazymem] materialized: %zu nodes run, %zu eliminated, peak %s (predicted %s), %.2f ms\n",
+                 out.executed, plan.eliminated, format_bytes(out.peak).c_str(),
+                 format_bytes(plan.predicted_peak).c_str(), ms);
   }
   if (out.oom) {
     std::string prefix = "lazymem: out of memory while materializing " + out.oom_site + ". Nothing was lost: " +

@@ -59,6 +59,20 @@ def memory_cap(capacity: Capacity) -> Iterator[None]:
         _C._eager_cap_pop()
 
 
+@contextlib.contextmanager
+def force_chunks(n: int) -> Iterator[None]:
+    """Splits every materialization into ``n`` chunks along the batch, whether it fits or not (for
+    tests and debugging); ``n`` larger than the batch gives chunks of one row."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"lazymem: force_chunks expects a positive number of chunks, got {n!r}")
+    previous = int(_C._force_chunks())
+    _C._set_force_chunks(n)
+    try:
+        yield
+    finally:
+        _C._set_force_chunks(previous)
+
+
 def eager_memory_allocated() -> int:
     """Bytes allocated under memory_cap() and still alive."""
     return int(_C._eager_allocated())

@@ -1,0 +1,220 @@
+// plan: the memory model.
+#include "plan/memory.h"
+
+#include <algorithm>
+#include <atomic>
+
+#include "plan/workspace.h"
+
+namespace lazymem {
+namespace {
+
+struct Affine {
+  int64_t bytes = 0;
+  int64_t per_row = 0;
+  Affine& operator+=(const Affine& o) {
+    bytes += o.bytes;
+    per_row += o.per_row;
+    return *this;
+  }
+  Affine& operator-=(const Affine& o) {
+    bytes -= o.bytes;
+    per_row -= o.per_row;
+    return *this;
+  }
+  Affine operator+(const Affine& o) const {
+    Affine a = *this;
+    a += o;
+    return a;
+  }
+};
+
+// Bytes per batch row of a view whose batch dim is `dim` (unit elements per row).
+int64_t bytes_per_row(const TensorMeta& m, const Bound& bd, int64_t batch) {
+  if (bd.dim < 0 || batch <= 0) return 0;
+  return m.numel() * static_cast<int64_t>(c10::elementSize(m.dtype)) / batch;
+}
+
+class Simulator {
+ public:
+  explicit Simulator(const Plan& plan) : plan_(plan) {
+    static std::atomic<uint64_t> stamps{0};
+    stamp_ = stamps.fetch_add(1, std::memory_order_relaxed) + 1;
+  }
+
+  MemoryModel run() {
+    cur_.bytes = plan_.resident;
+    for (LazyBuffer* b : plan_.release_unused) {
+      if (b->has_real() && !b->real_on_host) cur_.bytes -= static_cast<int64_t>(b->real.nbytes());
+    }
+    const Workspace& ws = Workspace::get();
+    ws_ = &ws;
+    for (size_t s = 0; s < plan_.stages.size(); ++s) {
+      const Stage& st = plan_.stages[s];
+      if (st.loop) {
+        loop(st, static_cast<int32_t>(s));
+      } else {
+        whole(st, static_cast<int32_t>(s));
+      }
+    }
+    return std::move(model_);
+  }
+
+ private:
+  // Bytes `b` holds on the device now, per the simulation.
+  int64_t held(LazyBuffer* b) {
+    if (b->plan_stamp != stamp_) {
+      b->plan_stamp = stamp_;
+      b->plan_bytes = b->has_real() && !b->real_on_host ? static_cast<int64_t>(b->real.nbytes()) : -1;
+    }
+    return b->plan_bytes;
+  }
+  // Allocates `b` whole if it holds nothing yet; returns the bytes allocated.
+  int64_t touch(LazyBuffer* b, size_t need) {
+    if (held(b) >= 0) return 0;
+    b->plan_bytes = static_cast<int64_t>(std::max(b->nbytes.load(std::memory_order_relaxed), need));
+    return b->plan_bytes;
+  }
+  void release(LazyBuffer* b) {
+    int64_t h = held(b);
+    if (h > 0) cur_.bytes -= h;
+    b->plan_bytes = -1;
+  }
+
+  Affine workspace(const PlannedNode& pn, bool loop) {
+    if (!ws_->known_op(&pn.op.schema())) return {};
+    auto a = ws_->predict(workspace_key(pn));
+    return loop ? Affine{a.alpha, a.beta} : Affine{a.alpha, 0};
+  }
+
+  void point(int32_t stage, bool loop, const Affine& a, const Node* n) {
+    model_.points.push_back(MemPoint{stage, loop, a.bytes, loop ? a.per_row : 0, n});
+  }
+
+  void whole(const Stage& st, int32_t s) {
+    for (const PlannedNode& pn : st.nodes) {
+      const Node& n = *pn.node;
+      Affine out;
+      for (const Def& d : n.defs) out.bytes += touch(d.ref.buf.get(), 0);
+      for (const Use& u : n.uses) out.bytes += touch(u.ref.buf.get(), u.ref.meta.extent_bytes());
+      point(s, false, cur_ + out + workspace(pn, false), &n);
+      cur_ += out;
+      for (LazyBuffer* b : pn.release) release(b);
+    }
+  }
+
+  void loop(const Stage& st, int32_t s) {
+    for (const FullStore& f : st.stores) {
+      if (!f.host) cur_.bytes += touch(f.buf, 0);
+    }
+    std::vector<char> adopted(st.slots.size(), 0); // partials that became accumulators
+    auto slot_bytes = [&](int32_t i) {
+      const Slot& sl = st.slots[i];
+      return sl.store == Store::kLocal ? Affine{0, sl.layout.outer * sl.layout.row_bytes} : Affine{sl.bytes, 0};
+    };
+    for (int pass = 0; pass < 2; ++pass) { // the first chunk, then a steady one (accumulators held)
+      std::vector<char> live(st.slots.size(), 0);
+      for (const PlannedNode& pn : st.nodes) {
+        const Node& n = *pn.node;
+        Affine out, transient;
+        for (size_t i = 0; i < n.uses.size(); ++i) {
+          const Bound& bd = pn.uses[i];
+          if (bd.bind == Bind::kLocal || bd.bind == Bind::kPartial) {
+            if (!live[bd.slot]) out += slot_bytes(bd.slot);
+            live[bd.slot] = 1;
+          } else if (bd.bind == Bind::kWhole) {
+            out.bytes += touch(n.uses[i].ref.buf.get(), n.uses[i].ref.meta.extent_bytes());
+          }
+        }
+        for (size_t i = 0; i < n.defs.size(); ++i) {
+          const Bound& bd = pn.defs[i];
+          const TensorMeta& m = n.defs[i].ref.meta;
+          if (bd.bind == Bind::kLocal || bd.bind == Bind::kPartial) {
+            if (!live[bd.slot]) out += slot_bytes(bd.slot);
+            live[bd.slot] = 1;
+          } else if (bd.bind == Bind::kNarrow || bd.bind == Bind::kDiscard) {
+            // The kernel's own output lives until it is copied into place (or dropped).
+            int64_t row = bytes_per_row(m, bd, st.batch);
+            if (row > 0) {
+              transient.per_row += row;
+            } else {
+              transient.bytes += static_cast<int64_t>(n.defs[i].ref.buf->nbytes.load());
+            }
+          } else {
+            out.bytes += touch(n.defs[i].ref.buf.get(), 0);
+          }
+        }
+        // Learned workspace includes lazymem's own transients (a result copied into place), so the
+        // known transient is a lower bound, not an addition.
+        Affine w = workspace(pn, true);
+        w.bytes = std::max(w.bytes, transient.bytes);
+        w.per_row = std::max(w.per_row, transient.per_row);
+        point(s, true, cur_ + out + w, &n);
+        cur_ += out;
+        for (int32_t slot : pn.accumulate) {
+          if (pass == 0 && !adopted[slot]) {
+            adopted[slot] = 1; // the first partial becomes the accumulator: it stays
+            LazyBuffer* b = st.slots[slot].buf;
+            b->plan_stamp = stamp_;
+            b->plan_bytes = st.slots[slot].bytes;
+            live[slot] = 2;
+          }
+        }
+        for (int32_t slot : pn.free_slots) {
+          if (live[slot] == 1) cur_ -= slot_bytes(slot);
+          live[slot] = 0;
+        }
+      }
+      for (size_t i = 0; i < live.size(); ++i) {
+        if (live[i] == 1) cur_ -= slot_bytes(static_cast<int32_t>(i));
+      }
+    }
+    for (LazyBuffer* b : st.release_after) release(b);
+  }
+
+  const Plan& plan_;
+  const Workspace* ws_ = nullptr;
+  uint64_t stamp_ = 0;
+  Affine cur_;
+  MemoryModel model_;
+};
+
+} // namespace
+
+MemoryModel model_memory(const Plan& plan) {
+  return Simulator(plan).run();
+}
+
+int64_t MemoryModel::peak(const Plan& plan, const MemPoint** where) const {
+  int64_t best = plan.resident;
+  const MemPoint* at = nullptr;
+  for (const MemPoint& p : points) {
+    int64_t v = p.at(p.loop ? plan.stages[p.stage].chunk : 0);
+    if (!at || v > best) {
+      best = std::max(best, v);
+      at = &p;
+    }
+  }
+  if (where) *where = at;
+  return best;
+}
+
+int64_t MemoryModel::max_chunk(int32_t stage, int64_t batch, int64_t budget) const {
+  int64_t c = batch;
+  for (const MemPoint& p : points) {
+    if (p.stage != stage) continue;
+    if (p.bytes > budget) return 0;
+    if (p.per_row > 0) c = std::min(c, (budget - p.bytes) / p.per_row);
+  }
+  return std::max<int64_t>(c, 0);
+}
+
+std::vector<const MemPoint*> MemoryModel::over(int64_t budget) const {
+  std::vector<const MemPoint*> out;
+  for (const MemPoint& p : points) {
+    if (!p.loop && p.bytes > budget) out.push_back(&p);
+  }
+  return out;
+}
+
+} // namespace lazymem

@@ -1,0 +1,42 @@
+// plan: the memory model. Before anything runs, the plan is simulated allocation by allocation as
+// the executor will run it: buffers already held, every output and first-touched buffer allocated
+// at its node, kernel workspace learned per op and shape (plan/workspace.h), releases after last
+// uses; in loops, chunk-local storages proportional to the chunk's rows, partials and accumulators,
+// full storages assembled for the loop. Every program point's live bytes are affine in its loop's
+// chunk size — bytes + per_row * chunk — so the peak is a max of lines, and the largest chunk that
+// fits a budget has a closed form (batch_split_theory.md §6).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "plan/plan.h"
+
+namespace lazymem {
+
+struct MemPoint {
+  int32_t stage = -1;      // the stage the point is in
+  bool loop = false;       // per_row scales with that loop's chunk size
+  int64_t bytes = 0;       // device bytes at the point, constant part (resident bytes included)
+  int64_t per_row = 0;     // bytes per row of the loop's chunk
+  const Node* node = nullptr;
+  int64_t at(int64_t chunk) const {
+    return bytes + per_row * (loop ? chunk : 0);
+  }
+};
+
+struct MemoryModel {
+  std::vector<MemPoint> points;
+  // The predicted peak with the plan's chunk sizes, and where it is.
+  int64_t peak(const Plan& plan, const MemPoint** where = nullptr) const;
+  // The largest chunk of `stage` whose every point stays within `budget` (0: none fits; the stage's
+  // batch if everything fits), and the smallest constant part of its points above the budget (0 if
+  // none) for explanations.
+  int64_t max_chunk(int32_t stage, int64_t batch, int64_t budget) const;
+  // Whole-stage points above `budget` (values that cannot be split and do not fit).
+  std::vector<const MemPoint*> over(int64_t budget) const;
+};
+
+MemoryModel model_memory(const Plan& plan);
+
+} // namespace lazymem

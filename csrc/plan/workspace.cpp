@@ -1,0 +1,122 @@
+// plan: the learned workspace table.
+#include "plan/workspace.h"
+
+#include <cstring>
+
+namespace lazymem {
+namespace {
+
+struct Hasher {
+  uint64_t h = 1469598103934665603ull;
+  void add(uint64_t x) {
+    h ^= x + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+  }
+  void add_double(double d) {
+    uint64_t b;
+    std::memcpy(&b, &d, sizeof(b));
+    add(b);
+  }
+  // A view's geometry; the batch dim's size (which changes with the chunk) is left out.
+  void meta(const TensorMeta& m, int64_t batch_dim) {
+    add(static_cast<uint64_t>(m.dtype) * 131 + m.sizes.size());
+    for (size_t k = 0; k < m.sizes.size(); ++k) {
+      add(static_cast<int64_t>(k) == batch_dim ? ~0ull : static_cast<uint64_t>(m.sizes[k]));
+      add(static_cast<uint64_t>(m.strides[k]));
+    }
+  }
+  void value(const c10::IValue& v) {
+    if (v.isInt()) {
+      add(static_cast<uint64_t>(v.toInt()));
+    } else if (v.isDouble()) {
+      add_double(v.toDouble());
+    } else if (v.isBool()) {
+      add(v.toBool() ? 3 : 5);
+    } else if (v.isIntList()) {
+      for (int64_t x : v.toIntList()) add(static_cast<uint64_t>(x));
+    } else if (v.isNone()) {
+      add(7);
+    } else if (v.isTensor()) {
+      const at::Tensor& t = v.toTensor();
+      if (t.defined()) {
+        for (int64_t x : t.sizes()) add(static_cast<uint64_t>(x));
+      }
+    }
+  }
+};
+
+} // namespace
+
+Workspace& Workspace::get() {
+  static Workspace* w = new Workspace();
+  return *w;
+}
+
+bool Workspace::known_op(const c10::FunctionSchema* op) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ops_.count(op) > 0;
+}
+
+void Workspace::observe(uint64_t key, const c10::FunctionSchema* op, int64_t rows, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ops_.insert(op);
+  Seen& s = seen_[key];
+  for (int i = 0; i < 2; ++i) {
+    if (s.rows[i] == rows) {
+      s.bytes[i] = std::max(s.bytes[i], bytes);
+      return;
+    }
+  }
+  // Keep the two most recent distinct row counts.
+  s.rows[1] = s.rows[0];
+  s.bytes[1] = s.bytes[0];
+  s.rows[0] = rows;
+  s.bytes[0] = bytes;
+}
+
+Workspace::Affine Workspace::predict(uint64_t key) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = seen_.find(key);
+  if (it == seen_.end()) return {};
+  const Seen& s = it->second;
+  auto ceil_div = [](int64_t a, int64_t b) { return a <= 0 ? int64_t{0} : (a + b - 1) / b; };
+  if (s.rows[1] < 0) {
+    // One observation: whole (rows 0) is a constant; a chunk's scales with its rows.
+    if (s.rows[0] == 0) return {s.bytes[0], 0};
+    return {0, ceil_div(s.bytes[0], s.rows[0])};
+  }
+  // Two: the line through them (never decreasing in the rows), shifted up to cover both.
+  int lo = s.rows[0] < s.rows[1] ? 0 : 1, hi = 1 - lo;
+  int64_t beta = ceil_div(s.bytes[hi] - s.bytes[lo], s.rows[hi] - s.rows[lo]);
+  int64_t alpha = std::max<int64_t>(0, std::max(s.bytes[0] - beta * s.rows[0], s.bytes[1] - beta * s.rows[1]));
+  return {alpha, beta};
+}
+
+void Workspace::clear() {
+  std::lock_guard<std::mutex> lock(mu_);
+  seen_.clear();
+  ops_.clear();
+}
+
+size_t Workspace::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return seen_.size();
+}
+
+uint64_t workspace_key(const PlannedNode& pn) {
+  const Node& n = *pn.node;
+  Hasher h;
+  h.add(reinterpret_cast<uintptr_t>(&pn.op.schema()));
+  for (size_t i = 0; i < n.uses.size(); ++i) {
+    int64_t bd = i < pn.uses.size() && pn.uses[i].bind != Bind::kWhole ? pn.uses[i].dim : -1;
+    h.meta(n.uses[i].ref.meta, bd);
+  }
+  for (size_t i = 0; i < n.defs.size(); ++i) {
+    int64_t bd = i < pn.defs.size() && pn.defs[i].bind != Bind::kWhole ? pn.defs[i].dim : -1;
+    h.meta(n.defs[i].ref.meta, bd);
+  }
+  for (const c10::IValue& v : n.args) h.value(v);
+  h.add(pn.rewrites.size());
+  return h.h;
+}
+
+} // namespace lazymem

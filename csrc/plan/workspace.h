@@ -1,0 +1,47 @@
+// plan: kernel workspace learned from the counting allocator. A node's workspace is the transient
+// memory its kernel (and lazymem's own copies around it) needs beyond its outputs: the executor
+// measures it on every run that has any, and the memory model adds it to the node's live bytes the
+// next time the same op runs on the same shapes. Keys name the op, every operand's geometry with the
+// batch dim marked, and the scalar arguments; per key, the observations at different chunk sizes
+// give workspace = alpha + beta * rows (one observation at rows > 0 scales with the rows).
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "plan/plan.h"
+
+namespace lazymem {
+
+class Workspace {
+ public:
+  static Workspace& get();
+
+  // Whether any run of `op` ever needed workspace (a fast check before computing keys).
+  bool known_op(const c10::FunctionSchema* op) const;
+  void observe(uint64_t key, const c10::FunctionSchema* op, int64_t rows, int64_t bytes);
+  struct Affine {
+    int64_t alpha = 0;
+    int64_t beta = 0;
+  };
+  Affine predict(uint64_t key) const;
+  void clear();
+  size_t size() const;
+
+ private:
+  struct Seen {
+    int64_t rows[2] = {-1, -1};
+    int64_t bytes[2] = {0, 0};
+  };
+  mutable std::mutex mu_;
+  std::unordered_map<uint64_t, Seen> seen_;
+  std::unordered_set<const c10::FunctionSchema*> ops_;
+};
+
+// The workspace key of `pn` as planned (batch dims of bound operands marked, so a key holds across
+// chunk sizes), and the rows it runs on in its stage (0 in whole stages).
+uint64_t workspace_key(const PlannedNode& pn);
+
+} // namespace lazymem
