@@ -16,6 +16,8 @@ from ._registration import register as _register
 from .api import (
     backing_device,
     buffer_info,
+    explain,
+    mark_batch,
     memory_budget,
     program,
     reset_stats,
@@ -30,6 +32,8 @@ from .api import (
 __all__ = [
     "backing_device",
     "buffer_info",
+    "explain",
+    "mark_batch",
     "memory_budget",
     "program",
     "reset_stats",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _device_module, _printing
+from . import _C, _device_module, _printing
 
 _done = False
 
@@ -28,4 +28,23 @@ def register() -> None:
             for_tensor=True, for_module=True, for_storage=True
         )
     _printing.install()
+    _mark_module_state()
     _done = True
+
+
+def _mark_module_state() -> None:
+    """Tensors that nn.Module.to / _apply copies to lazymem are the module's parameters and buffers:
+    their uploads are never batch seeds (a data leaf is a tensor copied to lazymem that is neither)."""
+    original = torch.nn.Module._apply
+    if getattr(original, "_lazymem", False):
+        return
+
+    def _apply(self, fn, *args, **kwargs):
+        _C._enter_module_state()
+        try:
+            return original(self, fn, *args, **kwargs)
+        finally:
+            _C._exit_module_state()
+
+    _apply._lazymem = True  # type: ignore[attr-defined]
+    torch.nn.Module._apply = _apply

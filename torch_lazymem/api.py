@@ -74,6 +74,27 @@ def memory_budget() -> int:
     return int(_C._memory_budget())
 
 
+def explain(print_it: bool = True) -> str:
+    """The last materialization's plan as text: unsplit or split (batch, passes over it, chunks, what
+    stays pending, what is assembled in host memory, barriers and why), predicted and measured peak."""
+    text = str(_C._explain())
+    if print_it:
+        print(text, end="")
+    return text
+
+
+def mark_batch(t: torch.Tensor, dim: Union[int, None]) -> None:
+    """Declares dim ``dim`` of lazymem tensor ``t`` its batch dimension (a seed of splitting), or with
+    ``None`` that ``t`` holds no batch (a host tensor uploaded to lazymem is by default a data leaf
+    whose dim 0 is the batch, unless it is module state or requires grad)."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "lazymem":
+        raise TypeError(f"lazymem: mark_batch expects a lazymem tensor, got {type(t).__name__}"
+                        + (f" on {t.device}" if isinstance(t, torch.Tensor) else ""))
+    if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int)):
+        raise TypeError(f"lazymem: mark_batch's dim must be an int or None, got {dim!r}")
+    _C._mark_batch(t, dim)
+
+
 def program(max_nodes: int = 200) -> str:
     """The pending program as text."""
     return str(_C._program_str(max_nodes))

@@ -30,6 +30,10 @@ void set_backing_device_unchecked(c10::Device d);
 struct FlushHooks {
   // Runs every pending node recorded at or before `seq` (0 = nothing, UINT64_MAX = everything).
   std::function<void(uint64_t seq)> flush_until;
+  // Runs everything pending and leaves nothing pending (device synchronization).
+  std::function<void()> synchronize;
+  // The last materialization's plan as text (torch_lazymem.explain).
+  std::function<std::string()> explain;
   // Where the op being recorded was called from (installed by the Python bindings; debug mode only).
   std::function<std::string()> recording_site;
 };
@@ -39,6 +43,9 @@ inline void flush_until(uint64_t seq) {
 }
 inline void flush_all() {
   flush_until(UINT64_MAX);
+}
+inline void synchronize_program() {
+  if (flush_hooks().synchronize) flush_hooks().synchronize();
 }
 
 } // namespace lazymem

@@ -9,9 +9,7 @@
 #include "core/runtime.h"
 
 namespace lazymem {
-namespace {
-
-at::Generator make_backing(uint64_t seed) {
+at::Generator make_backing_generator(uint64_t seed) {
   c10::Device dev = backing_device();
   at::Generator g;
   if (dev.is_cpu()) {
@@ -23,8 +21,6 @@ at::Generator make_backing(uint64_t seed) {
   return g;
 }
 
-} // namespace
-
 LazyGenerator::LazyGenerator(c10::DeviceIndex index, uint64_t seed)
     : c10::GeneratorImpl(c10::Device(c10::DeviceType::PrivateUse1, index),
                          c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)),
@@ -33,9 +29,21 @@ LazyGenerator::LazyGenerator(c10::DeviceIndex index, uint64_t seed)
 at::Generator LazyGenerator::backing() const {
   std::lock_guard<std::mutex> lock(backing_mu_);
   if (!backing_.defined() || backing_.device().type() != backing_device().type()) {
-    backing_ = make_backing(seed_);
+    backing_ = make_backing_generator(seed_);
   }
   return backing_;
+}
+
+uint64_t LazyGenerator::draw_seed() {
+  at::Generator b = backing();
+  std::lock_guard<std::mutex> lock(b.mutex());
+  if (auto* cpu = dynamic_cast<at::CPUGeneratorImpl*>(b.unsafeGetGeneratorImpl())) return cpu->random64();
+  // Philox generators: a seed from their state, and the stream moves on by one draw.
+  uint64_t offset = b.get_offset();
+  b.set_offset(offset + 4);
+  uint64_t x = b.current_seed() ^ (offset * 0x9e3779b97f4a7c15ull);
+  x ^= x >> 31;
+  return x * 0xbf58476d1ce4e5b9ull;
 }
 
 void LazyGenerator::flush_draws() const {

@@ -32,6 +32,9 @@ class LazyGenerator final : public c10::GeneratorImpl {
   // The generator on the backing device that replays this generator's draws. Only the executor
   // (holding the flush lock) draws from it.
   at::Generator backing() const;
+  // One 64-bit draw from the backing generator (the executor holds the flush lock): the seed of a
+  // node whose random numbers are keyed by batch rows.
+  uint64_t draw_seed();
   // Called by the recorder for every random node that draws from this generator.
   void note_draw(uint64_t seq) {
     last_draw_seq_.store(seq, std::memory_order_release);
@@ -48,6 +51,8 @@ class LazyGenerator final : public c10::GeneratorImpl {
 };
 
 const at::Generator& default_lazy_generator(c10::DeviceIndex index = 0);
+// A fresh generator on the backing device seeded with `seed`.
+at::Generator make_backing_generator(uint64_t seed);
 at::Generator new_lazy_generator(c10::DeviceIndex index = 0);
 // The LazyGenerator behind `g`; throws a lazymem: error for a generator of another device.
 LazyGenerator* lazy_generator_of(const at::Generator& g, const char* op_name);

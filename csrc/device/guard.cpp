@@ -63,11 +63,11 @@ struct LazyGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     return true;
   }
   void synchronizeStream(const c10::Stream&) const override {
-    flush_all();
+    synchronize_program();
   }
   void synchronizeEvent(void*) const override {}
   void synchronizeDevice(const c10::DeviceIndex) const override {
-    flush_all();
+    synchronize_program();
   }
   double elapsedTime(void*, void*, const c10::DeviceIndex) const override {
     return 0.0;

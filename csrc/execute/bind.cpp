@@ -188,6 +188,8 @@ at::Tensor Binder::bound_def(const PlannedNode& pn, size_t i) {
   const Def& d = pn.node->defs[i];
   const Bound* bd = pn.defs.empty() ? nullptr : &pn.defs[i];
   const TensorMeta m = def_meta(pn, i);
+  if (bd && bd->bind == Bind::kDiscard) return at::Tensor();
+  if (!bd || bd->bind == Bind::kWhole) ensure_real(*d.ref.buf, m.extent_bytes());
   if (!bd || bd->bind == Bind::kWhole || bd->bind == Bind::kNarrow) return real_view(*d.ref.buf, m);
   return storage_view(slot_storage(bd->slot), m);
 }

@@ -35,8 +35,14 @@ class Binder {
            c10::SmallVector<const c10::StorageImpl*, 8>& taken);
   // The expected view (recorded, localized or narrowed) of node->defs[i] in the current chunk.
   TensorMeta def_meta(const PlannedNode& pn, size_t i) const;
-  // The view of node->defs[i]'s value once bound.
+  // The view of node->defs[i]'s value once bound (allocating its storage if it has none yet).
   at::Tensor bound_def(const PlannedNode& pn, size_t i);
+  bool in_loop() const {
+    return stage_.loop;
+  }
+  int64_t batch() const {
+    return stage_.batch;
+  }
   // After the node ran: in whole stages, buffers it wrote now hold its versions.
   void done(const PlannedNode& pn);
 

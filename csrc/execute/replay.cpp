@@ -2,10 +2,12 @@
 #include "execute/replay.h"
 
 #include <ATen/Context.h>
+#include <ATen/ops/empty.h>
 #include <c10/core/GradMode.h>
 
 #include "core/check.h"
 #include "core/runtime.h"
+#include "device/generator.h"
 #include "execute/real.h"
 
 namespace lazymem {
@@ -37,6 +39,8 @@ int64_t rewritten(const ArgRewrite& rw, const Binder& binder) {
       return rw.base + rw.scale * binder.chunk_rows();
     case ArgRewrite::kStart:
       return rw.base + rw.scale * binder.chunk_start();
+    case ArgRewrite::kEnd:
+      return rw.base + rw.scale * (binder.chunk_start() + binder.chunk_rows());
     case ArgRewrite::kConst:
       break;
   }
@@ -72,6 +76,22 @@ class DefaultGeneratorLoan {
 
 } // namespace
 
+void redispatch_with(const c10::OperatorHandle& op, torch::jit::Stack& stack, c10::ArrayRef<int32_t> device_args,
+                     int32_t generator_arg, const at::Generator& g, bool grad_mode) {
+  for (int32_t d : device_args) {
+    if (!stack[d].isNone()) stack[d] = c10::IValue(backing_device());
+  }
+  c10::AutoGradMode grad(grad_mode);
+  const c10::DispatchKeySet ks(backing_key());
+  if (generator_arg >= 0) {
+    stack[generator_arg] = c10::IValue(g);
+    op.redispatchBoxed(ks, &stack);
+  } else {
+    DefaultGeneratorLoan loan(g);
+    op.redispatchBoxed(ks, &stack);
+  }
+}
+
 void redispatch_on_backing(const c10::OperatorHandle& op, torch::jit::Stack& stack, size_t first,
                            c10::ArrayRef<int32_t> device_args, int32_t generator_arg, LazyGenerator* gen,
                            bool grad_mode) {
@@ -94,8 +114,116 @@ void redispatch_on_backing(const c10::OperatorHandle& op, torch::jit::Stack& sta
   }
 }
 
+namespace {
+
+uint64_t mix(uint64_t seed, int64_t block) {
+  uint64_t x = seed + 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(block + 1);
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+at::Tensor rows_of(const at::Tensor& v, std::pair<int8_t, int64_t> at, int64_t first, int64_t count) {
+  return v.narrow(at.first, first * at.second, count * at.second);
+}
+
+// The node's row-keyed state, made the first time it runs split: its seed is one draw from its
+// generator; the batch dims of its operands are the plan's.
+const Node::RowKeyed& row_keyed(const PlannedNode& pn, const Binder& binder) {
+  Node& n = *pn.node;
+  if (!n.row_keyed) {
+    auto rk = std::make_shared<Node::RowKeyed>();
+    rk->seed = static_cast<LazyGenerator*>(n.generator.get())->draw_seed();
+    rk->block = pn.rng_block;
+    rk->rows = binder.batch();
+    auto dim_of = [](const Bound& b) {
+      return b.bind == Bind::kLocal || b.bind == Bind::kNarrow ? std::make_pair(b.dim, b.unit)
+                                                                : std::make_pair(int8_t{-1}, int64_t{1});
+    };
+    for (const Bound& b : pn.uses) rk->uses.push_back(dim_of(b));
+    for (const Bound& b : pn.defs) rk->defs.push_back(dim_of(b));
+    for (const ConstNarrow& c : pn.consts) rk->consts.push_back({c.arg, c.elem, c.dim, c.unit});
+    n.row_keyed = rk;
+  }
+  return *n.row_keyed;
+}
+
+// A random node keyed by batch rows: one kernel call per block of rows, each with a generator
+// seeded by (node seed, block). A block the chunk cuts through (ragged chunks) is drawn whole into
+// a temporary and its chunk's rows copied: only for fills, whose only batched operand is the one
+// they write (the planner uses one-row blocks for ops that read batched inputs).
+void replay_row_keyed(const PlannedNode& pn, Binder& binder, torch::jit::Stack& stack) {
+  Node& n = *pn.node;
+  const Node::RowKeyed& rk = row_keyed(pn, binder);
+  const bool loop = binder.in_loop();
+  const int64_t s0 = loop ? binder.chunk_start() : 0;
+  const int64_t rows = loop ? binder.chunk_rows() : rk.rows;
+  std::vector<at::Tensor> uv(n.uses.size()), dv(n.defs.size());
+  for (size_t k = 0; k < n.uses.size(); ++k) uv[k] = binder.use(pn, k);
+  for (size_t j = 0; j < n.defs.size(); ++j) dv[j] = binder.bound_def(pn, j);
+  const int64_t G = rk.block;
+  for (int64_t b = s0 / G; b * G < s0 + rows; ++b) {
+    const int64_t lo = std::max(b * G, s0), hi = std::min((b + 1) * G, s0 + rows);
+    const int64_t block_end = std::min((b + 1) * G, rk.rows);
+    const bool cut = lo != b * G || hi != block_end;
+    const int64_t first = cut ? b * G : lo, count = cut ? block_end - b * G : hi - lo;
+    stack.clear();
+    for (const auto& a : n.args) stack.push_back(copy_if_list(a));
+    for (const auto& c : rk.consts) {
+      const c10::IValue& v = c[1] < 0 ? n.args[c[0]] : n.args[c[0]].toList().get(c[1]);
+      place(stack, static_cast<int32_t>(c[0]), static_cast<int32_t>(c[1]),
+            c10::IValue(v.toTensor().narrow(c[2], first * c[3], count * c[3])));
+    }
+    for (const ArgRewrite& rw : pn.rewrites) place(stack, rw.arg, rw.elem, c10::IValue(rewritten(rw, binder)));
+    std::vector<std::pair<size_t, at::Tensor>> temps; // written operands drawn into a whole block
+    for (size_t k = 0; k < n.uses.size(); ++k) {
+      at::Tensor v = uv[k];
+      if (rk.uses[k].first >= 0) {
+        if (cut) {
+          LAZYMEM_INTERNAL_ASSERT(n.uses[k].write, n.describe(), ": a chunk cuts a random block of an input");
+          std::vector<int64_t> sizes(v.sizes().begin(), v.sizes().end());
+          sizes[rk.uses[k].first] = count * rk.uses[k].second;
+          at::Tensor t = at::empty(sizes, v.options());
+          temps.emplace_back(k, t);
+          v = t;
+        } else {
+          v = rows_of(v, rk.uses[k], lo - s0, hi - lo);
+        }
+      }
+      place(stack, n.uses[k].arg, n.uses[k].elem, c10::IValue(std::move(v)));
+    }
+    at::Generator g = make_backing_generator(mix(rk.seed, b));
+    redispatch_with(pn.op, stack, n.device_args, n.generator_arg, g, n.grad_mode);
+    c10::IValue scratch;
+    for (size_t j = 0; j < n.defs.size(); ++j) {
+      if (!dv[j].defined()) continue;
+      at::Tensor r = ret_value(stack, n.defs[j], scratch).toTensor();
+      if (rk.defs[j].first < 0) {
+        dv[j].copy_(r);
+        continue;
+      }
+      if (cut) r = rows_of(r, rk.defs[j], lo - first, hi - lo);
+      rows_of(dv[j], rk.defs[j], lo - s0, hi - lo).copy_(r);
+    }
+    for (auto& [k, t] : temps) {
+      rows_of(uv[k], rk.uses[k], lo - s0, hi - lo).copy_(rows_of(t, rk.uses[k], lo - first, hi - lo));
+    }
+  }
+  for (size_t i = 0; i < n.defs.size(); ++i) {
+    if (i < pn.post_div.size() && pn.post_div[i] != 0 && dv[i].defined()) dv[i].div_(pn.post_div[i]);
+  }
+  binder.done(pn);
+  stack.clear();
+}
+
+} // namespace
+
 void replay(const PlannedNode& pn, Binder& binder, torch::jit::Stack& stack) {
   Node& n = *pn.node;
+  if (n.random && (pn.rng_block > 0 || n.row_keyed)) {
+    replay_row_keyed(pn, binder, stack);
+    return;
+  }
   stack.clear();
   for (const auto& a : n.args) stack.push_back(copy_if_list(a));
   for (const ConstNarrow& c : pn.consts) place(stack, c.arg, c.elem, binder.constant(pn, c));

@@ -25,6 +25,10 @@ void redispatch_on_backing(const c10::OperatorHandle& op, torch::jit::Stack& sta
                            c10::ArrayRef<int32_t> device_args, int32_t generator_arg, LazyGenerator* gen,
                            bool grad_mode);
 
+// Runs `op` on the backing device (arguments from stack[0]) drawing from `g`.
+void redispatch_with(const c10::OperatorHandle& op, torch::jit::Stack& stack, c10::ArrayRef<int32_t> device_args,
+                     int32_t generator_arg, const at::Generator& g, bool grad_mode);
+
 // Annotates an exception thrown by a node's kernel with the op and its recording site, keeping the
 // exception's type (IndexError stays IndexError, OutOfMemoryError stays OutOfMemoryError).
 std::exception_ptr annotate_node_error(const std::exception& e, const std::string& prefix);

@@ -27,6 +27,16 @@ struct LazyBuffer : c10::intrusive_ptr_target {
 
   // --- guarded by Program's mutex ---
   uint32_t version = 0;          // latest recorded version; 0 = allocated, never written
+  // Batch provenance (DESIGN.md §7): a buffer whose value came from the host (an upload) is a data
+  // leaf, its dim 0 the batch, unless it holds module state, comes from a tensor that requires grad,
+  // or the user said otherwise (torch_lazymem.mark_batch).
+  enum class BatchHint : uint8_t { kAuto, kNever, kMarked };
+  BatchHint batch_hint = BatchHint::kAuto;
+  uint32_t upload_version = 0;   // the version a host upload wrote (0: none)...
+  int64_t upload_rows = 0;       // ...its dim-0 size and that dim's byte stride
+  int64_t upload_stride_bytes = 0;
+  int64_t mark_rows = 0;         // kMarked: the batch size and the byte stride of the marked dim
+  int64_t mark_stride_bytes = 0;
   uint64_t last_writer_seq = 0;  // seq of the latest node that writes this buffer (maybe executed)
   uint32_t pending_writes = 0;   // pending nodes that write it (defs and in-place writes)
   uint64_t live_epoch = 0;       // epoch of the last detached segment whose live-out set holds it

@@ -4,6 +4,7 @@
 // user drops makes its buffer dead even while nodes still mention it.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -83,6 +84,19 @@ struct Node {
   bool random = false;          // consumes a generator: never eliminated, replayed in order
   bool effectful = false;       // no outputs but a side effect (asserts): never eliminated
   bool grad_mode = false;       // GradMode at record time: a few kernels read it (replay restores it)
+  bool upload = false;          // copy_ of a host tensor (its snapshot in args[1]) into a lazymem buffer
+  // Row-keyed random draws, set when a random node first runs split: block b of `block` batch rows
+  // draws from a generator seeded with mix(seed, b), so the same rows get the same numbers however
+  // the batch is chunked, and a node kept pending draws them again when it runs later, split or not.
+  struct RowKeyed {
+    uint64_t seed = 0;
+    uint32_t block = 1;
+    int64_t rows = 0;                              // the batch
+    std::vector<std::pair<int8_t, int64_t>> uses;  // per use: (batch dim, unit), dim -1 if none
+    std::vector<std::pair<int8_t, int64_t>> defs;  // per def
+    std::vector<std::array<int64_t, 4>> consts;    // host constants: (arg, elem, dim, unit)
+  };
+  std::shared_ptr<const RowKeyed> row_keyed;
   std::string site;             // where it was recorded (debug mode), for error messages
 
   const char* name() const {

@@ -42,6 +42,13 @@ uint64_t Program::append(NodePtr node) {
     if (!u.write) continue;
     u.write_version = ++u.ref.buf->version;
     u.ref.buf->last_writer_seq = seq;
+    if (node->upload && u.full_overwrite()) {
+      LazyBuffer& b = *u.ref.buf;
+      b.upload_version = u.write_version;
+      const TensorMeta& m = u.ref.meta;
+      b.upload_rows = m.sizes.empty() ? 0 : m.sizes[0];
+      b.upload_stride_bytes = m.sizes.empty() ? 0 : m.strides[0] * static_cast<int64_t>(c10::elementSize(m.dtype));
+    }
   }
   for (auto& d : node->defs) {
     LAZYMEM_INTERNAL_ASSERT(d.ref.buf->version == 0, "def of a buffer that was already written");
@@ -54,6 +61,15 @@ uint64_t Program::append(NodePtr node) {
   pending_.push_back(std::move(node));
   pending_size_.store(pending_.size(), std::memory_order_relaxed);
   return seq;
+}
+
+void Program::set_batch_hint(LazyBuffer& b, LazyBuffer::BatchHint hint, int64_t rows, int64_t stride_bytes,
+                             bool only_if_auto) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (only_if_auto && b.batch_hint != LazyBuffer::BatchHint::kAuto) return;
+  b.batch_hint = hint;
+  b.mark_rows = rows;
+  b.mark_stride_bytes = stride_bytes;
 }
 
 uint32_t Program::note_external_write(LazyBuffer& b) {

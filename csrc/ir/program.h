@@ -39,6 +39,9 @@ class Program {
   // returns the new version. The caller must have flushed every pending reader and writer.
   uint32_t note_external_write(LazyBuffer& b);
 
+  // Sets `b`'s batch provenance (torch_lazymem.mark_batch; module state on upload).
+  void set_batch_hint(LazyBuffer& b, LazyBuffer::BatchHint hint, int64_t rows = 0, int64_t stride_bytes = 0,
+                      bool only_if_auto = false);
   // Seq of the pending node that last writes `b`, or 0 when no pending node writes it.
   uint64_t pending_writer(const LazyBuffer& b);
   uint64_t last_seq();

@@ -4,6 +4,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include <ATen/core/enum_tag.h>
 
@@ -14,6 +15,7 @@ struct Registry {
   std::mutex mu;
   std::unordered_map<std::string, RuleEntry> exact; // "aten::add.Tensor"
   std::unordered_map<std::string, RuleEntry> any;   // "aten::add": every overload
+  std::vector<std::pair<std::string, RuleEntry>> prefix; // "aten::_foreach_": every op starting so
   PlaceRule pointwise = nullptr;
 };
 
@@ -61,6 +63,9 @@ RuleEntry lookup(const c10::OperatorHandle& op) {
   if (it != r.exact.end()) return it->second;
   it = r.any.find(name.name);
   if (it != r.any.end()) return it->second;
+  for (const auto& [p, e] : r.prefix) {
+    if (name.name.compare(0, p.size(), p) == 0) return e;
+  }
   if (r.pointwise && functional_is_pointwise(op)) return RuleEntry{r.pointwise, "pointwise"};
   return RuleEntry{};
 }
@@ -117,7 +122,10 @@ void register_placement_rules(const char* family, std::initializer_list<const ch
   std::lock_guard<std::mutex> lock(r.mu);
   for (const char* name : ops) {
     std::string s(name);
-    if (s.find('.') == std::string::npos) {
+    if (!s.empty() && s.back() == '*') {
+      s.pop_back();
+      r.prefix.emplace_back(s, RuleEntry{fn, family});
+    } else if (s.find('.') == std::string::npos) {
       r.any[s] = RuleEntry{fn, family};
     } else {
       r.exact[s] = RuleEntry{fn, family};

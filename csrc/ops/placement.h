@@ -117,9 +117,10 @@ struct Output {
 };
 
 // An int argument (or element of an int list) rewritten per chunk: base + scale * rows (the chunk's
-// row count) or base + scale * start (its first row).
+// row count), base + scale * start (its first row), base + scale * (start + rows) (one past its last
+// row), or base alone.
 struct ArgRewrite {
-  enum Kind : uint8_t { kRows, kStart, kConst };
+  enum Kind : uint8_t { kRows, kStart, kEnd, kConst };
   int32_t arg = -1;
   int32_t elem = -1;
   Kind kind = kRows;
@@ -145,7 +146,7 @@ struct RuleResult {
   c10::SmallVector<bool, 2> discard;      // per Output: value not produced by this node when split
   const char* replace_op = nullptr;       // run this overload instead ("aten::sum.dim_IntList")
   bool needs_total_weight = false;        // NLL mean: output 1 is computed by a pre-pass over targets
-  bool random_rows = false;               // draws random numbers per batch row (row-keyed when split)
+  bool no_draws = false;                  // tagged random, but this call draws nothing (dropout_p = 0)
   const char* why = nullptr;              // when the rule fails: why the op cannot be split
 };
 
@@ -178,7 +179,8 @@ struct RuleEntry {
 
 // The rule for `op`, or nullptr when none is registered (cached per op, thread-safe).
 const RuleEntry* placement_rule(const c10::OperatorHandle& op);
-// Registers `fn` for each op ("aten::add.Tensor"; a name without an overload covers every overload).
+// Registers `fn` for each op ("aten::add.Tensor"; a name without an overload covers every overload;
+// a name ending in '*' covers every op whose name starts with what precedes it).
 void register_placement_rules(const char* family, std::initializer_list<const char*> ops, PlaceRule fn);
 // Ops tagged pointwise in native_functions.yaml (or whose functional form is) get `fn` by default.
 void register_pointwise_default(PlaceRule fn);

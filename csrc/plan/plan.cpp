@@ -7,6 +7,7 @@
 #include "ops/op_rules.h"
 #include "plan/memory.h"
 #include "plan/schedule.h"
+#include "plan/split.h"
 
 namespace lazymem {
 namespace {
@@ -41,10 +42,18 @@ Plan make_plan(const PlanInput& in) {
   MemoryModel model = model_memory(plan);
   const MemPoint* at = nullptr;
   plan.predicted_peak = model.peak(plan, &at);
-  if (in.budget >= 0 && plan.predicted_peak > in.budget && at && at->node) {
-    plan.notes.push_back("does not fit: predicted peak " + format_bytes(plan.predicted_peak) + " at " +
+  const bool over = in.budget >= 0 && plan.predicted_peak > in.budget;
+  if (!over && in.force_chunks <= 0) return plan; // fits: exactly eager's kernels in program order
+  if (over && at && at->node) {
+    plan.notes.push_back("does not fit unsplit: predicted peak " + format_bytes(plan.predicted_peak) + " at " +
                          at->node->describe() + " exceeds the budget of " + format_bytes(in.budget));
   }
+  Plan split;
+  split.budget = in.budget;
+  split.resident = in.resident;
+  split.notes = plan.notes;
+  if (make_split_plan(in, s, split)) return split;
+  plan.notes = std::move(split.notes);
   return plan;
 }
 

@@ -81,7 +81,7 @@ struct PlannedNode {
   // Whole stages: buffers whose real data dies after this node.
   std::vector<LazyBuffer*> release;
   bool placeholder_outputs = false; // outputs whose shapes the kernel may not match (BN placeholders)
-  uint32_t rng_block = 0;           // > 0: random draws keyed by batch row blocks (see node->rng_seed)
+  uint32_t rng_block = 0;           // > 0: random draws keyed by blocks of this many batch rows
 
   PlannedNode(Node* n, int32_t i) : node(n), index(i), op(n->op) {}
 };
@@ -131,6 +131,9 @@ struct Plan {
   int64_t resident = 0;                    // device bytes held when the plan starts
   int64_t predicted_peak = 0;              // device bytes at the predicted peak (resident included)
   std::vector<std::string> notes;          // why it split or not, barriers, what was retained
+  int64_t batch = 0;                       // split: the batch's rows
+  size_t barriers = 0;                     // split: nodes with batched operands that run whole
+  std::vector<NodePtr> owned;              // nodes the planner synthesized (never put back)
   std::string to_string() const;
 };
 

@@ -13,6 +13,10 @@ namespace lazymem {
 struct PlanInput {
   std::vector<Node*> nodes;                           // the detached program, in program order
   std::function<bool(const LazyBuffer&)> live_out;    // values that must survive the plan
+  std::vector<LazyBuffer*> needed;                    // values the sync point reads
+  // A split may leave batch-sharded values that survive but are not needed pending (recomputed
+  // chunk by chunk when something needs them) instead of storing them at full size.
+  bool keep_pending = true;
   int64_t budget = -1;                                // bytes lazymem may hold (-1: unlimited)
   int64_t resident = 0;                               // device bytes held before the plan runs
   int64_t force_chunks = 0;                           // > 0: split every loop into this many chunks

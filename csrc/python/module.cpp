@@ -20,6 +20,7 @@
 #include "ir/program.h"
 #include "plan/workspace.h"
 #include "record/meta.h"
+#include "record/recorder.h"
 
 namespace py = pybind11;
 using namespace lazymem;
@@ -56,6 +57,8 @@ std::string python_site() {
   return site.empty() ? "an internal frame (no user frame on the Python stack)" : site;
 }
 
+thread_local std::vector<std::unique_ptr<ModuleStateScope>> t_module_scopes;
+
 bool backing_is_cpu() {
   return backing_device().is_cpu();
 }
@@ -67,7 +70,7 @@ int64_t memory_allocated() {
 void synchronize() {
   {
     py::gil_scoped_release no_gil;
-    flush_all();
+    synchronize_program();
   }
   c10::Device d = backing_device();
   if (!d.is_cpu()) c10::impl::VirtualGuardImpl(d.type()).synchronizeDevice(d.index());
@@ -97,6 +100,28 @@ void set_backing_device(const std::string& name) {
 std::string backing_device_name() {
   c10::Device d = backing_device();
   return d.is_cpu() ? std::string("cpu") : d.str();
+}
+
+void mark_batch(const at::Tensor& t, std::optional<int64_t> dim) {
+  LazyBuffer* b = buffer_of(t);
+  LAZYMEM_CHECK_VALUE(b != nullptr, "mark_batch expects a lazymem tensor, got a tensor on ", t.device(),
+                      "; move it with .to('lazymem') first");
+  if (!dim) {
+    Program::get().set_batch_hint(*b, LazyBuffer::BatchHint::kNever);
+    return;
+  }
+  int64_t d = *dim < 0 ? *dim + t.dim() : *dim;
+  LAZYMEM_CHECK_VALUE(d >= 0 && d < t.dim(), "mark_batch: dim ", *dim, " is out of range for a tensor of ", t.dim(),
+                      " dims");
+  LAZYMEM_CHECK_VALUE(t.size(d) >= 2, "mark_batch: dim ", d, " has size ", t.size(d),
+                      "; a batch needs at least 2 rows");
+  // The batch is the whole dim: the tensor must cover its storage as [outer][batch][row].
+  const int64_t stride_bytes = t.stride(d) * static_cast<int64_t>(t.element_size());
+  const int64_t block = t.size(d) * stride_bytes;
+  LAZYMEM_CHECK_VALUE(stride_bytes > 0 && block > 0 && static_cast<int64_t>(b->nbytes.load()) % block == 0,
+                      "mark_batch: dim ", d, " of this view does not cover its storage's rows (sizes ", t.sizes(),
+                      ", strides ", t.strides(), "); mark the tensor the view was taken from");
+  Program::get().set_batch_hint(*b, LazyBuffer::BatchHint::kMarked, t.size(d), stride_bytes);
 }
 
 py::dict buffer_info(const at::Tensor& t) {
@@ -183,12 +208,19 @@ PYBIND11_MODULE(_C, m) {
   m.def("_workspace_entries", [] { return Workspace::get().size(); });
   m.def("_clear_workspace", [] { Workspace::get().clear(); });
 
+  m.def("_explain", [] { return flush_hooks().explain ? flush_hooks().explain() : std::string(); });
+
   m.def("_pending_nodes", [] { return Program::get().pending_count(); });
   m.def("_program_str", [](size_t max_nodes) { return Program::get().to_string(max_nodes); }, py::arg("max_nodes") = 200);
   m.def("_verify", wrap([] { Program::get().verify(); }));
   m.def("_buffers_alive", buffers_alive);
   m.def("_buffers_with_real_data", buffers_with_real_data);
   m.def("_buffer_info", wrap(buffer_info));
+  m.def("_mark_batch", wrap(mark_batch), py::arg("t"), py::arg("dim").none(true));
+  m.def("_enter_module_state", [] { t_module_scopes.emplace_back(std::make_unique<ModuleStateScope>()); });
+  m.def("_exit_module_state", [] {
+    if (!t_module_scopes.empty()) t_module_scopes.pop_back();
+  });
   m.def("_meta_cache_size", meta_cache_size);
   m.def("_clear_meta_cache", clear_meta_cache);
 }

@@ -17,6 +17,16 @@
 #include "record/meta.h"
 
 namespace lazymem {
+
+thread_local int t_module_state = 0;
+
+ModuleStateScope::ModuleStateScope() {
+  ++t_module_state;
+}
+ModuleStateScope::~ModuleStateScope() {
+  --t_module_state;
+}
+
 namespace {
 
 // A host (or other-device) tensor copied into lazymem: snapshot it now, so later writes by the user
@@ -138,6 +148,16 @@ class Emitter {
         case TensorArg::kConstant:
           set_slot(n.args, ta, snapshot(ta.t));
           break;
+      }
+    }
+    // An upload: copy_ of a host tensor. Its destination is a data leaf unless it holds module state
+    // (uploaded under Module.to) or comes from a tensor that requires grad (a parameter).
+    if (call_.op.schema().name() == "aten::copy_" && call_.tensors.size() == 2 &&
+        call_.tensors[0].kind == TensorArg::kLazy && call_.tensors[1].kind == TensorArg::kConstant) {
+      n.upload = true;
+      if (t_module_state > 0 || call_.tensors[1].t.requires_grad()) {
+        Program::get().set_batch_hint(*buffer_of(call_.tensors[0].t), LazyBuffer::BatchHint::kNever, 0, 0,
+                                      /*only_if_auto=*/true);
       }
     }
     n.device_args.assign(rules.device_args.begin(), rules.device_args.end());

@@ -19,4 +19,11 @@ enum class Recorded : uint8_t {
 // allow_constants, non-lazymem tensor arguments are snapshotted into the node (host-to-lazymem copy).
 Recorded record_call(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool allow_constants = false);
 
+// While alive on a thread, host uploads recorded there hold module state (parameters, buffers), not
+// data: their buffers are never batch seeds. torch_lazymem wraps nn.Module._apply in one.
+struct ModuleStateScope {
+  ModuleStateScope();
+  ~ModuleStateScope();
+};
+
 } // namespace lazymem

@@ -96,7 +96,7 @@ void run_eager(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (writes || rules.random) {
     // Pending readers of the written buffers must run before the write, and pending draws from the
     // generator before this one.
-    flush_all();
+    synchronize_program(); // nothing may stay pending that reads a buffer this op writes
   }
   materialize(bufs);
 

@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <atomic>
 #include <mutex>
+#include <string>
 
 #include "core/check.h"
 #include "core/config.h"
@@ -20,6 +22,9 @@ namespace {
 
 std::mutex g_flush_mu;
 thread_local bool t_in_flush = false;
+std::mutex g_explain_mu;
+std::string g_explain = "no materialization yet\n";
+std::atomic<size_t> g_pending_floor{0};
 
 struct InFlush {
   InFlush() {
@@ -32,6 +37,8 @@ struct InFlush {
 
 const bool g_hooks_installed = [] {
   flush_hooks().flush_until = [](uint64_t seq) { flush_until_seq(seq); };
+  flush_hooks().synchronize = [] { synchronize_all(); };
+  flush_hooks().explain = [] { return last_plan(); };
   return true;
 }();
 
@@ -41,6 +48,19 @@ int64_t device_bytes_held() {
 
 void record_stats(const Plan& plan, const ExecOutcome& out) {
   auto& st = stats();
+  if (plan.split) {
+    st.splits.fetch_add(1, std::memory_order_relaxed);
+    int64_t loops = 0, chunks = 0;
+    for (const Stage& s : plan.stages) {
+      if (!s.loop) continue;
+      ++loops;
+      chunks = std::max<int64_t>(chunks, s.chunks());
+    }
+    st.passes.store(loops, std::memory_order_relaxed);
+    st.chunks.store(chunks, std::memory_order_relaxed);
+    st.barriers.fetch_add(plan.barriers, std::memory_order_relaxed);
+    st.nodes_kept_pending.fetch_add(plan.retained.size(), std::memory_order_relaxed);
+  }
   if (out.executed) st.materializations.fetch_add(1, std::memory_order_relaxed);
   st.nodes_executed.fetch_add(out.executed, std::memory_order_relaxed);
   st.nodes_eliminated.fetch_add(plan.eliminated, std::memory_order_relaxed);
@@ -56,7 +76,9 @@ size_t put_back(Segment& seg, const Plan& plan, const ExecOutcome& out) {
     for (size_t s = out.stage; s < plan.stages.size(); ++s) {
       const Stage& st = plan.stages[s];
       size_t first = (s == out.stage && !st.loop) ? out.node : 0;
-      for (size_t p = first; p < st.nodes.size(); ++p) back.push_back(st.nodes[p].index);
+      for (size_t p = first; p < st.nodes.size(); ++p) {
+        if (st.nodes[p].index >= 0) back.push_back(st.nodes[p].index); // synthesized nodes are remade
+      }
     }
   }
   if (back.empty()) return 0;
@@ -69,12 +91,25 @@ size_t put_back(Segment& seg, const Plan& plan, const ExecOutcome& out) {
   return back.size();
 }
 
+// The plan and what was measured, as torch_lazymem.explain() prints it.
+void remember(const Plan& plan, const ExecOutcome& out, double ms) {
+  std::string text = plan.to_string();
+  text += "  measured peak " + format_bytes(out.peak) + " (predicted " + format_bytes(plan.predicted_peak) + ")";
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), ", %.2f ms\n", ms);
+  text += buf;
+  std::lock_guard<std::mutex> lock(g_explain_mu);
+  g_explain = std::move(text);
+}
+
 // Plans and runs a detached segment. Caller holds the flush lock.
-void run_segment(Segment& seg) {
+void run_segment(Segment& seg, const SyncRequest& req) {
   PlanInput in;
   in.nodes.reserve(seg.nodes.size());
   for (const auto& n : seg.nodes) in.nodes.push_back(n.get());
   in.live_out = [&](const LazyBuffer& b) { return seg.is_live_out(b); };
+  in.needed = req.needed;
+  in.keep_pending = req.keep_pending;
   in.resident = device_bytes_held();
   in.budget = memory_budget();
   in.force_chunks = config().force_chunks.load(std::memory_order_relaxed);
@@ -84,15 +119,19 @@ void run_segment(Segment& seg) {
   ExecOutcome out = execute(plan);
   record_stats(plan, out);
   size_t pending = put_back(seg, plan, out);
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  remember(plan, out, ms);
+  if (config().debug && plan.split) std::fprintf(stderr, "[lazymem] %s", plan.to_string().c_str());
   if (config().debug) {
-    double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     std::fprintf(stderr, "[lazymem] materialized: %zu nodes run, %zu eliminated, peak %s (predicted %s), %.2f ms\n",
                  out.executed, plan.eliminated, format_bytes(out.peak).c_str(),
                  format_bytes(plan.predicted_peak).c_str(), ms);
   }
   if (out.oom) {
-    std::string prefix = "lazymem: out of memory while materializing " + out.oom_site + ". Nothing was lost: " +
-        std::to_string(pending) +
+    std::string why;
+    for (const std::string& n : plan.notes) why += n + ". ";
+    std::string prefix = "lazymem: out of memory while materializing " + out.oom_site + ". " + why +
+        "Nothing was lost: " + std::to_string(pending) +
         " recorded ops are still pending and run when memory is available (free tensors or raise the "
         "capacity, then read the value again). ";
     try {
@@ -101,20 +140,30 @@ void run_segment(Segment& seg) {
       std::rethrow_exception(annotate_node_error(e, prefix));
     }
   }
-  if (out.first_error) std::rethrow_exception(out.first_error);
+  // A read raises only its own values' errors (materialize checks them); flushes that need
+  // everything (synchronize, auto-flush, generator state) raise the first one.
+  if (out.first_error && req.needed.empty()) std::rethrow_exception(out.first_error);
 }
 
 } // namespace
 
-void flush_until_seq(uint64_t upto) {
-  if (upto == 0) return;
+void sync(const SyncRequest& req) {
+  if (req.upto == 0) return;
   LAZYMEM_CHECK(!t_in_flush, "a lazymem value was needed while lazymem was already materializing on "
                 "this thread (for example from a kernel or a hook run during replay); this is not supported");
   std::lock_guard<std::mutex> lock(g_flush_mu);
   InFlush guard;
-  Segment seg = Program::get().take_prefix(upto);
+  Segment seg = Program::get().take_prefix(req.upto);
   if (seg.nodes.empty()) return;
-  run_segment(seg);
+  run_segment(seg, req);
+}
+
+void flush_until_seq(uint64_t upto) {
+  sync(SyncRequest{{}, upto, /*keep_pending=*/true});
+}
+
+void synchronize_all() {
+  sync(SyncRequest{{}, UINT64_MAX, /*keep_pending=*/false});
 }
 
 std::unique_lock<std::mutex> lock_flush() {
@@ -123,13 +172,20 @@ std::unique_lock<std::mutex> lock_flush() {
 }
 
 void materialize(const std::vector<LazyBuffer*>& bufs) {
-  uint64_t upto = 0;
-  for (LazyBuffer* b : bufs) upto = std::max(upto, Program::get().pending_writer(*b));
-  flush_until_seq(upto);
+  bool pending = false;
+  for (LazyBuffer* b : bufs) pending = pending || Program::get().pending_writer(*b) != 0;
+  // A value that is needed runs with everything recorded so far: the rest of a training step runs in
+  // the same plan (a split runs it in the same chunk loop) instead of storing what it will read.
+  if (pending) sync(SyncRequest{bufs, Program::get().last_seq(), /*keep_pending=*/true});
   std::lock_guard<std::mutex> lock(g_flush_mu);
   for (LazyBuffer* b : bufs) {
     if (b->poison) std::rethrow_exception(b->poison);
   }
+}
+
+std::string last_plan() {
+  std::lock_guard<std::mutex> lock(g_explain_mu);
+  return g_explain;
 }
 
 void maybe_auto_flush() {
@@ -139,10 +195,14 @@ void maybe_auto_flush() {
   if (!max_nodes && !max_bytes) return;
   if (t_in_flush) return;
   Program& p = Program::get();
-  bool over = (max_nodes && p.pending_count() >= max_nodes) || (max_bytes && p.pending_def_bytes() >= max_bytes);
+  // Nodes a split left pending do not count again: the threshold applies to what was recorded since.
+  const size_t floor = g_pending_floor.load(std::memory_order_relaxed);
+  const size_t count = p.pending_count();
+  bool over = (max_nodes && count >= floor + max_nodes) || (max_bytes && p.pending_def_bytes() >= max_bytes);
   if (!over) return;
   stats().auto_flushes.fetch_add(1, std::memory_order_relaxed);
   flush_until_seq(p.last_seq());
+  g_pending_floor.store(p.pending_count(), std::memory_order_relaxed);
 }
 
 } // namespace lazymem

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -16,8 +17,20 @@
 
 namespace lazymem {
 
+// What a sync point asks for: the values it reads (needed), how much of the pending program it
+// detaches, and whether batch-sharded values that survive but are not needed may stay pending
+// (recomputed when needed) when the program has to be split.
+struct SyncRequest {
+  std::vector<LazyBuffer*> needed;
+  uint64_t upto = UINT64_MAX;
+  bool keep_pending = true;
+};
+void sync(const SyncRequest& req);
+
 // Runs every pending node with seq <= upto.
 void flush_until_seq(uint64_t upto);
+// Runs everything pending, leaving nothing pending (torch.lazymem.synchronize, torch_lazymem.sync).
+void synchronize_all();
 // Runs what `bufs` need; afterwards each has real data at its latest version (or is version 0).
 // Raises the stored error if any of them is poisoned.
 void materialize(const std::vector<LazyBuffer*>& bufs);
@@ -26,6 +39,8 @@ void materialize(const std::vector<LazyBuffer*>& bufs);
 std::unique_lock<std::mutex> lock_flush();
 // Runs everything pending when the auto-flush thresholds are exceeded (called after each record).
 void maybe_auto_flush();
+// The last materialization's plan as text, with its measured peak (torch_lazymem.explain).
+std::string last_plan();
 
 // The eager path: runs `op` for real on the backing device now (after materializing what it reads)
 // and wraps its results as lazymem tensors holding real data.

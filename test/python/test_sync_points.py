@@ -71,14 +71,26 @@ def test_materialized_values_are_cached():
     assert torch_lazymem.stats()["materializations"] == 0
 
 
-def test_sync_runs_only_the_needed_prefix():
+def test_sync_sees_the_whole_program():
+    # DESIGN.md §7: a sync point plans everything recorded so far (the rest of a training step runs
+    # in the same plan, split into the same chunk loop, instead of storing what it reads).
     x = torch.randn(8, device="lazymem")
     a = x + 1
-    b = a * 3  # recorded after a: stays pending when only a is read
+    b = a * 3  # recorded after a: runs in the same materialization
     a.cpu()
-    assert torch_lazymem.stats()["pending_nodes"] == 1
-    assert not torch_lazymem.buffer_info(b)["has_real"]
+    assert torch_lazymem.stats()["pending_nodes"] == 0
+    assert torch_lazymem.stats()["materializations"] == 1
+    assert torch_lazymem.buffer_info(b)["has_real"]
     assert_bitwise(b, (a.cpu() * 3))
+
+
+def test_a_failing_op_recorded_later_does_not_fail_an_unrelated_read():
+    x = torch.arange(4.0, device="lazymem")
+    a = x * 2
+    bad = x.index_select(0, torch.tensor([10]).to("lazymem"))  # out of range: fails when it runs
+    assert a.tolist() == [0.0, 2.0, 4.0, 6.0]  # runs the whole program; only `bad` is poisoned
+    with pytest.raises(IndexError, match="lazymem: aten::index_select"):
+        bad.cpu()
 
 
 def test_later_ops_read_cached_data():

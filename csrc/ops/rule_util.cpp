@@ -1,0 +1,102 @@
+// ops: shared rule helpers.
+#include "ops/rule_util.h"
+
+namespace lazymem::rules {
+
+bool nothing_batched(const RuleCall& c) {
+  for (const Operand& o : c.ins) {
+    if (o.place.is_s()) return false;
+  }
+  for (size_t i = 0; i < c.outs.size(); ++i) {
+    if (c.wanted(i)) return false;
+  }
+  return true;
+}
+
+bool any_partial(const RuleCall& c) {
+  for (const Operand& o : c.ins) {
+    if (o.place.is_p()) return true;
+  }
+  return false;
+}
+
+bool align(const RuleCall& c, RuleResult& r, size_t i, int64_t out_ndim, int64_t out_dim, int64_t out_size,
+           int64_t unit) {
+  const Operand& o = c.ins[i];
+  const int64_t ad = out_dim - (out_ndim - o.dim());
+  if (ad < 0 || (o.sizes[ad] == 1 && out_size != 1)) {
+    if (o.place.is_s()) return fail(r, "a batch-sharded operand is broadcast along the batch");
+    r.ins[i] = OperandMode::whole();
+    return true;
+  }
+  if (o.sizes[ad] != out_size) return fail(r, "an operand's size along the batch differs from the output's");
+  if (o.place.is_s() && (o.place.dim != ad || o.place.unit != unit)) {
+    return fail(r, "operands carry the batch along different dims");
+  }
+  r.ins[i] = OperandMode::rows(ad, unit);
+  return true;
+}
+
+std::optional<Place> broadcast(const RuleCall& c, RuleResult& r, c10::IntArrayRef out, const Place* want,
+                               c10::ArrayRef<int64_t> which) {
+  const int64_t on = static_cast<int64_t>(out.size());
+  std::vector<int64_t> all;
+  if (which.empty()) {
+    for (size_t i = 0; i < c.ins.size(); ++i) all.push_back(static_cast<int64_t>(i));
+    which = all;
+  }
+  int64_t od = -1, unit = 1;
+  for (int64_t i : which) {
+    const Operand& o = c.ins[i];
+    if (!o.place.is_s()) continue;
+    const int64_t d = o.place.dim + (on - o.dim());
+    if (d < 0 || d >= on || o.sizes[o.place.dim] != out[d]) {
+      fail(r, "a batch-sharded operand is broadcast along the batch");
+      return std::nullopt;
+    }
+    if (od >= 0 && (od != d || unit != o.place.unit)) {
+      fail(r, "operands carry the batch along different dims of the output");
+      return std::nullopt;
+    }
+    od = d;
+    unit = o.place.unit;
+  }
+  if (od < 0 && want && want->is_s()) {
+    od = want->dim;
+    unit = want->unit;
+  }
+  if (od < 0) {
+    for (int64_t i : which) r.ins[i] = OperandMode::whole();
+    return Place::R();
+  }
+  for (int64_t i : which) {
+    if (!align(c, r, static_cast<size_t>(i), on, od, out[od], unit)) return std::nullopt;
+  }
+  return Place::S(od, unit);
+}
+
+std::vector<int64_t> int_list(const c10::IValue& v) {
+  if (v.isNone()) return {};
+  if (v.isInt()) return {v.toInt()};
+  if (v.isIntList()) {
+    auto l = v.toIntList();
+    return std::vector<int64_t>(l.begin(), l.end());
+  }
+  return {};
+}
+
+int64_t written(const RuleCall& c) {
+  for (size_t i = 0; i < c.ins.size(); ++i) {
+    if (c.ins[i].write) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+std::optional<c10::IntArrayRef> output_sizes(const RuleCall& c) {
+  if (!c.outs.empty()) return c.outs[0].sizes;
+  int64_t w = written(c);
+  if (w >= 0) return c.ins[w].sizes;
+  return std::nullopt;
+}
+
+} // namespace lazymem::rules

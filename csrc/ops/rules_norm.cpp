@@ -1,0 +1,152 @@
+// ops: normalizations. LayerNorm (and RMSNorm, which decomposes into pointwise ops and a mean over
+// the last dims) and GroupNorm normalize each sample by itself: the output and the saved statistics
+// keep the batch, and the weight and bias gradients sum over it, P(+) (batch_split_theory.md §3.5,
+// §4 row 12). GroupNorm's N argument is the batch: rewritten to the chunk's rows. BatchNorm in eval
+// mode is per-channel affine with replicated running statistics; in training mode its statistics
+// span the whole batch, which needs passes over it (the next issue): it runs whole.
+#include "ops/rule_util.h"
+
+namespace lazymem::rules {
+namespace {
+
+// Binds the listed operands (by argument) to the batch found among them, which must lie before dim
+// `limit`; every other operand must not carry it. Returns its placement (R when none carries it).
+std::optional<Place> batch_of(const RuleCall& c, RuleResult& r, std::initializer_list<int> args, int64_t limit) {
+  std::optional<Place> found;
+  int64_t rows = -1;
+  for (auto& m : r.ins) m = OperandMode::whole();
+  for (int arg : args) {
+    const Operand* o = c.operand(arg);
+    if (!o || !o->place.is_s()) continue;
+    if (found && *found != o->place) {
+      fail(r, "operands carry the batch along different dims");
+      return std::nullopt;
+    }
+    found = o->place;
+    rows = o->sizes[o->place.dim];
+  }
+  if (!found) {
+    const Place* want = c.wanted(0);
+    if (want && want->is_s() && want->dim < c.outs[0].dim()) {
+      found = *want;
+      rows = c.outs[0].sizes[want->dim];
+    }
+  }
+  if (!found) return Place::R();
+  if (found->dim >= limit) {
+    fail(r, "the batch is among the normalized dims");
+    return std::nullopt;
+  }
+  for (int arg : args) {
+    int64_t i = c.operand_index(arg);
+    if (i < 0) continue;
+    const Operand& o = c.ins[i];
+    if (o.dim() <= found->dim || o.sizes[found->dim] != rows) {
+      fail(r, "an operand without the batch's rows");
+      return std::nullopt;
+    }
+    r.ins[i] = OperandMode::rows(found->dim, found->unit);
+  }
+  for (size_t i = 0; i < c.ins.size(); ++i) {
+    if (r.ins[i].mode == Mode::kWhole && c.ins[i].place.is_s()) {
+      fail(r, "a weight carries the batch");
+      return std::nullopt;
+    }
+  }
+  return found;
+}
+
+// native_layer_norm(input, normalized_shape, weight, bias, eps) -> (out, mean, rstd)
+bool layer_norm(const RuleCall& c, RuleResult& r) {
+  if (nothing_batched(c)) return replicated(c, r);
+  const int64_t axis = c.ins[0].dim() - static_cast<int64_t>(int_list(c.args[1]).size());
+  auto p = batch_of(c, r, {0}, axis);
+  if (!p) return false;
+  if (!p->is_s()) return replicated(c, r);
+  for (auto& o : r.outs) o = *p;
+  return true;
+}
+
+// native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, mask)
+//   -> (grad_input, grad_weight, grad_bias)
+bool layer_norm_backward(const RuleCall& c, RuleResult& r) {
+  if (nothing_batched(c)) return replicated(c, r);
+  const int64_t axis = c.ins[c.operand_index(1)].dim() - static_cast<int64_t>(int_list(c.args[2]).size());
+  auto p = batch_of(c, r, {0, 1, 3, 4}, axis);
+  if (!p) return false;
+  if (!p->is_s()) return replicated(c, r);
+  r.outs[0] = *p;
+  for (size_t j = 1; j < r.outs.size(); ++j) r.outs[j] = Place::P(Reduce::kSum);
+  return true;
+}
+
+// native_group_norm(input, weight, bias, N, C, HxW, group, eps) -> (out, mean, rstd)
+bool group_norm(const RuleCall& c, RuleResult& r) {
+  if (nothing_batched(c)) return replicated(c, r);
+  auto p = batch_of(c, r, {0}, 1);
+  if (!p) return false;
+  if (!p->is_s()) return replicated(c, r);
+  if (p->unit != 1) return fail(r, "a flattened batch");
+  for (auto& o : r.outs) o = Place::S(0, 1);
+  r.rewrites.push_back(ArgRewrite{3, -1, ArgRewrite::kRows, 0, 1});
+  return true;
+}
+
+// native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, mask)
+bool group_norm_backward(const RuleCall& c, RuleResult& r) {
+  if (nothing_batched(c)) return replicated(c, r);
+  auto p = batch_of(c, r, {0, 1, 2, 3}, 1);
+  if (!p) return false;
+  if (!p->is_s()) return replicated(c, r);
+  if (p->unit != 1) return fail(r, "a flattened batch");
+  r.outs[0] = Place::S(0, 1);
+  for (size_t j = 1; j < r.outs.size(); ++j) r.outs[j] = Place::P(Reduce::kSum);
+  r.rewrites.push_back(ArgRewrite{5, -1, ArgRewrite::kRows, 0, 1});
+  return true;
+}
+
+bool training(const RuleCall& c, int arg) {
+  return !c.args[arg].isBool() || c.args[arg].toBool();
+}
+
+// native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+//   -> (out, save_mean, save_invstd); _native_batch_norm_legit_no_training has no `training`.
+bool batch_norm(const RuleCall& c, RuleResult& r) {
+  if (nothing_batched(c)) return replicated(c, r);
+  const bool legit = c.op.operator_name().name == "aten::_native_batch_norm_legit_no_training";
+  if (!legit && training(c, 5)) return fail(r, "batch norm in training mode needs the whole batch's statistics");
+  auto p = batch_of(c, r, {0}, 1);
+  if (!p) return false;
+  if (!p->is_s()) return replicated(c, r);
+  r.outs[0] = *p;
+  // The saved statistics are placeholders in eval mode: every chunk's are the same.
+  for (size_t j = 1; j < r.outs.size(); ++j) r.outs[j] = Place::P(Reduce::kNone);
+  return true;
+}
+
+// native_batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean,
+//   save_invstd, train, eps, mask) -> (grad_input, grad_weight, grad_bias)
+bool batch_norm_backward(const RuleCall& c, RuleResult& r) {
+  if (nothing_batched(c)) return replicated(c, r);
+  if (training(c, 7)) return fail(r, "batch norm in training mode needs the whole batch's statistics");
+  auto p = batch_of(c, r, {0, 1}, 1);
+  if (!p) return false;
+  if (!p->is_s()) return replicated(c, r);
+  r.outs[0] = *p;
+  for (size_t j = 1; j < r.outs.size(); ++j) r.outs[j] = Place::P(Reduce::kSum);
+  return true;
+}
+
+const bool registered = [] {
+  register_placement_rules("norm", {"aten::native_layer_norm"}, &layer_norm);
+  register_placement_rules("norm", {"aten::native_layer_norm_backward"}, &layer_norm_backward);
+  register_placement_rules("norm", {"aten::native_group_norm"}, &group_norm);
+  register_placement_rules("norm", {"aten::native_group_norm_backward"}, &group_norm_backward);
+  register_placement_rules("norm", {"aten::native_batch_norm", "aten::_native_batch_norm_legit_no_training"},
+                           &batch_norm);
+  register_placement_rules("norm", {"aten::native_batch_norm_backward"}, &batch_norm_backward);
+  return true;
+}();
+
+} // namespace
+} // namespace lazymem::rules

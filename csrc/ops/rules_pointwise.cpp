@@ -1,0 +1,79 @@
+// ops: pointwise ops and casts. Every operand is broadcast against the output (numpy rules): the
+// output is batch-sharded along the dim its sharded operands are, replicated operands aligned with
+// that dim are used row by row, broadcast ones whole (batch_split_theory.md §4 row 1). Partial
+// operands pass through the linear ones only — a sum of partials, a partial scaled by a replicated
+// value, a cast or copy of a partial (row 2); any other op uses them finished. Covers every op
+// tagged pointwise in native_functions.yaml (and its in-place and out= forms) plus copies, fills
+// and casts.
+#include "ops/rule_util.h"
+
+#include <string>
+
+namespace lazymem::rules {
+namespace {
+
+// Linear in its partial operands: the sum over chunks of op(partials) is op(sum of partials).
+bool linear(const RuleCall& c, RuleResult& r) {
+  std::string name = c.op.operator_name().name;
+  if (!name.empty() && name.back() == '_') name.pop_back();
+  size_t partial = 0, tensors = 0;
+  int64_t first_partial = -1;
+  for (size_t i = 0; i < c.ins.size(); ++i) {
+    const Operand& o = c.ins[i];
+    if (o.write && c.outs.empty() && !o.place.is_p()) {
+      // An in-place write into a value that is not itself partial (R += P): needs P finished.
+      if (!(name == "aten::copy" && i == 0)) return replicated(c, r);
+      continue;
+    }
+    ++tensors;
+    if (o.place.is_p()) {
+      if (o.place.reduce != Reduce::kSum) return replicated(c, r);
+      ++partial;
+      if (first_partial < 0) first_partial = static_cast<int64_t>(i);
+    }
+  }
+  bool ok = false;
+  if (name == "aten::add" || name == "aten::sub") {
+    ok = partial == tensors; // P + P; P + R is not partial
+  } else if (name == "aten::mul") {
+    ok = partial == 1;
+  } else if (name == "aten::div") {
+    ok = partial == 1 && first_partial == 0; // the numerator only
+  } else if (name == "aten::neg" || name == "aten::_to_copy" || name == "aten::clone" || name == "aten::copy") {
+    ok = partial == 1;
+  }
+  if (!ok) return replicated(c, r);
+  for (size_t i = 0; i < c.ins.size(); ++i) {
+    r.ins[i] = c.ins[i].place.is_p() || c.ins[i].write ? OperandMode::partial() : OperandMode::whole();
+  }
+  for (auto& o : r.outs) o = Place::P(Reduce::kSum);
+  return true;
+}
+
+bool pointwise(const RuleCall& c, RuleResult& r) {
+  auto out = output_sizes(c);
+  if (!out) return fail(r, "no output");
+  if (nothing_batched(c)) return any_partial(c) ? linear(c, r) : replicated(c, r);
+  auto p = broadcast(c, r, *out, c.wanted(0));
+  if (!p) return false;
+  for (size_t i = 0; i < c.outs.size(); ++i) {
+    if (!c.outs[i].sizes.equals(*out)) return fail(r, "outputs of different shapes");
+    r.outs[i] = *p;
+  }
+  return true;
+}
+
+const bool registered = [] {
+  register_pointwise_default(&pointwise);
+  register_placement_rules("pointwise",
+                           {"aten::copy_", "aten::_to_copy", "aten::fill_", "aten::zero_", "aten::masked_fill_",
+                            "aten::masked_fill", "aten::where", "aten::clone", "aten::_copy_from",
+                            "aten::lift_fresh_copy", "aten::alias_copy", "aten::detach_copy", "aten::positive",
+                            "aten::resolve_conj", "aten::resolve_neg", "aten::_conj_physical", "aten::conj_physical",
+                            "aten::conj_physical_"},
+                           &pointwise);
+  return true;
+}();
+
+} // namespace
+} // namespace lazymem::rules

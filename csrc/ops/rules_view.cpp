@@ -1,0 +1,157 @@
+// ops: ops that move data between shapes and carry shapes as arguments — the backward of select and
+// slice (a zero tensor of the input's sizes with the gradient in one slice), slice/select scatter,
+// narrow copies, repeat, cat and stack (batch_split_theory.md §4 rows 8-10, 22-24). (Views proper
+// make no node: their geometry is localized by the planner.) Along dims that are not the batch they
+// keep it, with the batch's entry of a sizes argument rewritten to the chunk's rows; along the batch
+// (a slice of rows, a concatenation of batches) they run whole.
+#include "ops/rule_util.h"
+
+namespace lazymem::rules {
+namespace {
+
+// select_backward(grad_output, input_sizes, dim, index): grad lacks `dim`.
+bool select_backward(const RuleCall& c, RuleResult& r) {
+  if (nothing_batched(c)) return replicated(c, r);
+  const Operand& g = c.ins[0];
+  if (!g.place.is_s()) return fail(r, "only the output would carry the batch");
+  const int64_t rank = static_cast<int64_t>(int_list(c.args[1]).size());
+  const int64_t dim = wrap_dim(c.int_arg(2), rank);
+  const int64_t od = g.place.dim < dim ? g.place.dim : g.place.dim + 1;
+  r.ins[0] = OperandMode::rows(g.place.dim, g.place.unit);
+  r.outs[0] = Place::S(od, g.place.unit);
+  r.rewrites.push_back(ArgRewrite{1, static_cast<int32_t>(od), ArgRewrite::kRows, 0, g.place.unit});
+  return true;
+}
+
+// slice_backward(grad_output, input_sizes, dim, start, end, step) and
+// unfold_backward(grad_in, input_sizes, dim, size, step): same rank as the input.
+bool sized_backward(const RuleCall& c, RuleResult& r) {
+  if (nothing_batched(c)) return replicated(c, r);
+  const Operand& g = c.ins[0];
+  if (!g.place.is_s()) return fail(r, "only the output would carry the batch");
+  const int64_t rank = static_cast<int64_t>(int_list(c.args[1]).size());
+  const int64_t dim = wrap_dim(c.int_arg(2), rank);
+  if (g.place.dim == dim || g.place.dim >= rank) return fail(r, "slices along the batch");
+  r.ins[0] = OperandMode::rows(g.place.dim, g.place.unit);
+  r.outs[0] = g.place;
+  r.rewrites.push_back(ArgRewrite{1, g.place.dim, ArgRewrite::kRows, 0, g.place.unit});
+  return true;
+}
+
+// slice_scatter(self, src, dim, start, end, step), select_scatter(self, src, dim, index),
+// narrow_copy(self, dim, start, length): the batch must not be `dim`.
+bool scatter_into_slice(const RuleCall& c, RuleResult& r) {
+  if (nothing_batched(c)) return replicated(c, r);
+  const std::string& name = c.op.operator_name().name;
+  const bool narrow = name == "aten::narrow_copy";
+  const int64_t self = c.operand_index(0);
+  const int64_t dim = wrap_dim(c.int_arg(narrow ? 1 : 2), c.ins[self].dim());
+  const bool select = name == "aten::select_scatter";
+  std::optional<Place> p;
+  for (size_t i = 0; i < c.ins.size(); ++i) {
+    const Operand& o = c.ins[i];
+    if (!o.place.is_s()) continue;
+    int64_t d = o.place.dim;
+    if (select && o.arg == 1 && d >= dim) ++d; // src lacks `dim`
+    Place q = Place::S(d, o.place.unit);
+    if (p && *p != q) return fail(r, "operands disagree on the batch");
+    p = q;
+  }
+  if (!p) return replicated(c, r);
+  if (p->dim == dim) return fail(r, "slices along the batch");
+  for (size_t i = 0; i < c.ins.size(); ++i) {
+    int64_t d = p->dim;
+    if (select && c.ins[i].arg == 1 && d > dim) --d;
+    if (c.ins[i].dim() <= d || c.ins[i].sizes[d] != c.ins[self].sizes[p->dim]) return fail(r, "operands disagree on rows");
+    r.ins[i] = OperandMode::rows(d, p->unit);
+  }
+  for (auto& o : r.outs) o = *p;
+  return true;
+}
+
+// repeat(self, repeats): leading new dims, then each dim tiled; a dim tiled once keeps the batch.
+bool repeat(const RuleCall& c, RuleResult& r) {
+  if (nothing_batched(c)) return replicated(c, r);
+  const Operand& self = c.ins[0];
+  if (!self.place.is_s()) return fail(r, "only the output would carry the batch");
+  std::vector<int64_t> reps = int_list(c.args[1]);
+  const int64_t od = self.place.dim + static_cast<int64_t>(reps.size()) - self.dim();
+  if (od < 0 || reps[od] != 1) return fail(r, "tiles along the batch");
+  r.ins[0] = OperandMode::rows(self.place.dim, self.place.unit);
+  r.outs[0] = Place::S(od, self.place.unit);
+  return true;
+}
+
+// cat(tensors, dim) / stack(tensors, dim): every tensor keeps the batch along the same dim, which is
+// not the one they are joined along. (Legacy empty 1-D tensors, which cat skips, stay whole.)
+bool join(const RuleCall& c, RuleResult& r) {
+  if (nothing_batched(c)) return replicated(c, r);
+  const bool stack = c.op.operator_name().name == "aten::stack";
+  int64_t rank = -1;
+  for (const Operand& o : c.ins) {
+    if (o.arg == 0 && !(o.dim() == 1 && o.sizes[0] == 0)) rank = o.dim();
+  }
+  const int64_t dim = wrap_dim(c.int_arg(1), stack ? rank + 1 : rank);
+  std::optional<Place> p;
+  for (const Operand& o : c.ins) {
+    if (!o.place.is_s()) continue;
+    if (o.arg != 0) return fail(r, "an out= join");
+    if (p && *p != o.place) return fail(r, "inputs carry the batch along different dims");
+    p = o.place;
+  }
+  if (!p) return replicated(c, r);
+  const int64_t od = stack && p->dim >= dim ? p->dim + 1 : p->dim;
+  if (!stack && p->dim == dim) return fail(r, "joins along the batch");
+  int64_t rows = -1;
+  for (const Operand& o : c.ins) {
+    if (o.place.is_s()) rows = o.sizes[o.place.dim];
+  }
+  for (size_t i = 0; i < c.ins.size(); ++i) {
+    const Operand& o = c.ins[i];
+    if (o.dim() == 1 && o.sizes[0] == 0 && !stack) {
+      r.ins[i] = OperandMode::whole();
+      continue;
+    }
+    if (o.dim() != rank || o.sizes[p->dim] != rows) return fail(r, "inputs disagree on the batch's rows");
+    r.ins[i] = OperandMode::rows(p->dim, p->unit);
+  }
+  for (auto& o : r.outs) o = Place::S(od, p->unit);
+  return true;
+}
+
+// arange.start_out(start, end, step, out): a batch-sharded arange (one that only feeds batched
+// rows) is the chunk's slice of it: start + step * rows. Integral values only (floating-point
+// starts would round differently from the whole arange).
+bool arange(const RuleCall& c, RuleResult& r) {
+  const Operand& out = c.ins[0];
+  if (!out.place.is_s()) return replicated(c, r);
+  if (out.place.dim != 0 || out.place.unit != 1) return fail(r, "a flattened arange");
+  const c10::IValue& start = c.args[0];
+  const c10::IValue& step = c.args[2];
+  auto integral = [](const c10::IValue& v) {
+    return v.isInt() || (v.isScalar() && v.toScalar().isIntegral(false));
+  };
+  if (!integral(start) || !integral(step) || !c10::isIntegralType(out.dtype, false)) {
+    return fail(r, "a floating-point arange");
+  }
+  const int64_t a = start.isInt() ? start.toInt() : start.toScalar().toLong();
+  const int64_t s = step.isInt() ? step.toInt() : step.toScalar().toLong();
+  r.ins[0] = OperandMode::rows(0, 1);
+  r.rewrites.push_back(ArgRewrite{0, -1, ArgRewrite::kStart, a, s});
+  r.rewrites.push_back(ArgRewrite{1, -1, ArgRewrite::kEnd, a, s});
+  return true;
+}
+
+const bool registered = [] {
+  register_placement_rules("view", {"aten::select_backward"}, &select_backward);
+  register_placement_rules("view", {"aten::slice_backward", "aten::unfold_backward"}, &sized_backward);
+  register_placement_rules("view", {"aten::slice_scatter", "aten::select_scatter", "aten::narrow_copy"},
+                           &scatter_into_slice);
+  register_placement_rules("view", {"aten::repeat"}, &repeat);
+  register_placement_rules("view", {"aten::cat", "aten::stack"}, &join);
+  register_placement_rules("factory", {"aten::arange.start_out"}, &arange);
+  return true;
+}();
+
+} // namespace
+} // namespace lazymem::rules

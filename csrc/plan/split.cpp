@@ -1,0 +1,621 @@
+// plan: building the split plan (see split.h).
+#include "plan/split.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "core/config.h"
+#include "ops/op_rules.h"
+#include "plan/analysis.h"
+#include "plan/localize.h"
+#include "plan/memory.h"
+
+namespace lazymem {
+namespace {
+
+uint64_t vkey(int32_t buf, uint32_t version) {
+  return (static_cast<uint64_t>(static_cast<uint32_t>(buf)) << 32) | version;
+}
+
+class SplitBuilder {
+ public:
+  SplitBuilder(const PlanInput& in, const Schedule& s, Plan& plan) : in_(in), s_(s), plan_(plan) {}
+
+  bool build() {
+    std::vector<LazyBuffer*> live;
+    for (size_t b = 0; b < s_.index.size(); ++b) {
+      if (s_.live[b]) live.push_back(s_.index.buffers[b]);
+    }
+    if (!place_batch(a_, in_.nodes, s_.run, live, in_.needed)) return refuse();
+    index_producers();
+    decide_pending();
+    // Stages over what runs now.
+    std::vector<int32_t> all = a_.order;
+    a_.order.clear();
+    for (int32_t i : all) {
+      if (exec_[i]) a_.order.push_back(i);
+    }
+    stages_ = assign_stages(a_);
+    if (stages_ < 0) return refuse();
+    decide_storage();
+    emit();
+    if (!choose_chunks()) return refuse();
+    explain();
+    return true;
+  }
+
+ private:
+  bool refuse() {
+    for (const std::string& n : a_.notes) plan_.notes.push_back("not split: " + n);
+    return false;
+  }
+
+  // Producers of every (buffer, version) among the running nodes, and each buffer's final version.
+  void index_producers() {
+    final_.assign(a_.bufs.size(), 0);
+    for (int32_t i : a_.order) {
+      const NodeInfo& ni = a_.nodes[i];
+      const Node& n = *ni.node;
+      for (size_t j = 0; j < n.defs.size(); ++j) {
+        if (ni.discard[j]) continue;
+        producer_[vkey(ni.def_buf[j], n.defs[j].ref.version)] = i;
+        final_[ni.def_buf[j]] = std::max(final_[ni.def_buf[j]], n.defs[j].ref.version);
+      }
+      for (size_t k = 0; k < n.uses.size(); ++k) {
+        if (!n.uses[k].write) continue;
+        producer_[vkey(ni.use_buf[k], n.uses[k].write_version)] = i;
+        final_[ni.use_buf[k]] = std::max(final_[ni.use_buf[k]], n.uses[k].write_version);
+      }
+    }
+  }
+
+  int32_t producer(int32_t buf, uint32_t version) const {
+    auto it = producer_.find(vkey(buf, version));
+    return it == producer_.end() ? -1 : it->second;
+  }
+
+  // Which batch-sharded values that survive the plan stay pending (recomputed when needed) rather
+  // than stored, and which nodes run now.
+  void decide_pending() {
+    const size_t nb = a_.bufs.size(), nn = a_.nodes.size();
+    std::vector<char> cand(nb, 0);
+    if (in_.keep_pending) {
+      for (size_t b = 0; b < nb; ++b) {
+        const BufInfo& bi = a_.bufs[b];
+        if (!bi.place.is_s() || !bi.live || bi.needed || bi.resident || final_[b] == 0) continue;
+        int32_t p = producer(static_cast<int32_t>(b), final_[b]);
+        if (p >= 0 && a_.nodes[p].loop) cand[b] = 1;
+      }
+    }
+    for (int round = 0; round < 64; ++round) {
+      // The nodes that recompute kept values: back from each value through row-by-row inputs.
+      retain_.assign(nn, 0);
+      std::vector<int32_t> work;
+      for (size_t b = 0; b < nb; ++b) {
+        if (!cand[b]) continue;
+        int32_t p = producer(static_cast<int32_t>(b), final_[b]);
+        if (p >= 0 && !retain_[p]) {
+          retain_[p] = 1;
+          work.push_back(p);
+        }
+      }
+      std::vector<uint64_t> pins; // versions kept nodes read whole: they must survive the plan
+      while (!work.empty()) {
+        int32_t x = work.back();
+        work.pop_back();
+        const NodeInfo& ni = a_.nodes[x];
+        for (size_t k = 0; k < ni.node->uses.size(); ++k) {
+          const Use& u = ni.node->uses[k];
+          if (u.full_overwrite()) continue;
+          int32_t q = producer(ni.use_buf[k], u.ref.version);
+          const Mode m = ni.rr.ins[k].mode;
+          if (q >= 0 && a_.nodes[q].loop && m != Mode::kWhole) {
+            if (!retain_[q]) {
+              retain_[q] = 1;
+              work.push_back(q);
+            }
+          } else {
+            pins.push_back(vkey(ni.use_buf[k], u.ref.version));
+          }
+        }
+      }
+      // Run now: what the sync point needs, every other surviving value, and the pinned inputs.
+      dce(cand, pins);
+      // A kept node is invalid if a pinned input of its cone is overwritten by what runs now, or it
+      // writes a buffer that a node running now writes later.
+      std::unordered_set<uint64_t> bad_pins;
+      for (uint64_t k : pins) {
+        int32_t buf = static_cast<int32_t>(k >> 32);
+        uint32_t ver = static_cast<uint32_t>(k);
+        if (exec_final_[buf] > ver) bad_pins.insert(k);
+      }
+      std::vector<char> tainted(nn, 0);
+      for (int32_t x : a_.order) {
+        if (!retain_[x]) continue;
+        const NodeInfo& ni = a_.nodes[x];
+        bool t = false;
+        for (size_t k = 0; k < ni.node->uses.size() && !t; ++k) {
+          const Use& u = ni.node->uses[k];
+          if (u.full_overwrite()) continue;
+          int32_t q = producer(ni.use_buf[k], u.ref.version);
+          if (q >= 0 && retain_[q] && ni.rr.ins[k].mode != Mode::kWhole && a_.nodes[q].loop) {
+            t = tainted[q];
+          } else {
+            t = bad_pins.count(vkey(ni.use_buf[k], u.ref.version)) > 0;
+          }
+        }
+        for (size_t k = 0; k < ni.node->uses.size() && !t; ++k) {
+          if (ni.node->uses[k].write && exec_final_[ni.use_buf[k]] > ni.node->uses[k].write_version) t = true;
+        }
+        for (size_t j = 0; j < ni.node->defs.size() && !t; ++j) {
+          if (exec_final_[ni.def_buf[j]] > ni.node->defs[j].ref.version) t = true;
+        }
+        tainted[x] = t;
+      }
+      bool changed = false;
+      for (size_t b = 0; b < nb; ++b) {
+        if (cand[b] && tainted[producer(static_cast<int32_t>(b), final_[b])]) {
+          cand[b] = 0;
+          changed = true;
+        }
+      }
+      if (!changed) {
+        pins_.assign(pins.begin(), pins.end());
+        break;
+      }
+    }
+    kept_.assign(nb, 0);
+    for (size_t b = 0; b < nb; ++b) kept_[b] = cand[b];
+    for (int32_t i : a_.order) {
+      if (retain_[i] && i < static_cast<int32_t>(in_.nodes.size())) plan_.retained.push_back(i);
+    }
+    pinned_.assign(nb, 0);
+    for (uint64_t k : pins_) pinned_[static_cast<int32_t>(k >> 32)] = 1;
+  }
+
+  // Dead-code elimination for what runs now.
+  void dce(const std::vector<char>& kept, const std::vector<uint64_t>& pins) {
+    const size_t nn = a_.nodes.size();
+    std::unordered_set<uint64_t> need(pins.begin(), pins.end());
+    for (size_t b = 0; b < a_.bufs.size(); ++b) {
+      const BufInfo& bi = a_.bufs[b];
+      if (((bi.live && !kept[b]) || bi.needed) && final_[b] > 0) need.insert(vkey(static_cast<int32_t>(b), final_[b]));
+    }
+    exec_.assign(nn, 0);
+    for (auto it = a_.order.rbegin(); it != a_.order.rend(); ++it) {
+      const int32_t x = *it;
+      const NodeInfo& ni = a_.nodes[x];
+      const Node& n = *ni.node;
+      bool runs = n.effectful || (n.random && !ni.loop);
+      for (size_t j = 0; j < n.defs.size() && !runs; ++j) {
+        runs = !ni.discard[j] && need.count(vkey(ni.def_buf[j], n.defs[j].ref.version));
+      }
+      for (size_t k = 0; k < n.uses.size() && !runs; ++k) {
+        runs = n.uses[k].write && need.count(vkey(ni.use_buf[k], n.uses[k].write_version));
+      }
+      if (!runs) continue;
+      exec_[x] = 1;
+      for (size_t k = 0; k < n.uses.size(); ++k) {
+        if (!n.uses[k].full_overwrite()) need.insert(vkey(ni.use_buf[k], n.uses[k].ref.version));
+      }
+      for (const Finalize& f : ni.rr.finalize) {
+        if (f.kind == Finalize::kDivOutput) need.insert(vkey(ni.def_buf[f.output], n.defs[f.output].ref.version));
+      }
+    }
+    exec_final_.assign(a_.bufs.size(), 0);
+    for (int32_t x : a_.order) {
+      if (!exec_[x]) continue;
+      const NodeInfo& ni = a_.nodes[x];
+      for (size_t j = 0; j < ni.node->defs.size(); ++j) {
+        if (!ni.discard[j]) exec_final_[ni.def_buf[j]] = std::max(exec_final_[ni.def_buf[j]], ni.node->defs[j].ref.version);
+      }
+      for (size_t k = 0; k < ni.node->uses.size(); ++k) {
+        if (ni.node->uses[k].write) {
+          exec_final_[ni.use_buf[k]] = std::max(exec_final_[ni.use_buf[k]], ni.node->uses[k].write_version);
+        }
+      }
+    }
+  }
+
+  bool is_upload(int32_t i) const {
+    return a_.nodes[i].node->upload;
+  }
+
+  // Full storage for batch-sharded values that must exist whole: results, values that survive the
+  // plan and are not kept pending, values read or written whole, values that cross stages (except
+  // uploads, which each loop reads again from the host).
+  void decide_storage() {
+    const size_t nb = a_.bufs.size();
+    full_.assign(nb, 0);
+    host_.assign(nb, 0);
+    std::vector<int32_t> stage_of(nb, -1);
+    auto touch = [&](int32_t b, int32_t stage, bool whole) {
+      if (!a_.bufs[b].place.is_s()) return;
+      if (whole || (stage_of[b] >= 0 && stage_of[b] != stage)) full_[b] = 1;
+      stage_of[b] = stage;
+    };
+    for (int32_t i : a_.order) {
+      const NodeInfo& ni = a_.nodes[i];
+      const Node& n = *ni.node;
+      if (is_upload(i)) continue; // re-run by each loop that reads the leaf
+      for (size_t k = 0; k < n.uses.size(); ++k) {
+        touch(ni.use_buf[k], ni.stage, !ni.loop || ni.rr.ins[k].mode == Mode::kWhole);
+      }
+      for (size_t j = 0; j < n.defs.size(); ++j) {
+        if (!ni.discard[j]) touch(ni.def_buf[j], ni.stage, !ni.loop);
+      }
+    }
+    for (size_t b = 0; b < nb; ++b) {
+      const BufInfo& bi = a_.bufs[b];
+      if (!bi.place.is_s()) continue;
+      if (bi.resident || bi.needed || (bi.live && !kept_[b]) || pinned_[b]) full_[b] = 1;
+    }
+  }
+
+  // ---- emission ----
+
+  struct LoopState {
+    std::unordered_map<int32_t, int32_t> slot;   // buffer -> slot
+    std::unordered_map<int32_t, size_t> last;    // slot -> index of its last access in the body
+    std::unordered_set<int32_t> uploaded;        // upload nodes already in the body
+  };
+
+  int32_t slot_of(Stage& st, LoopState& ls, int32_t b, Store store) {
+    auto it = ls.slot.find(b);
+    if (it != ls.slot.end()) return it->second;
+    Slot sl;
+    sl.buf = a_.bufs[b].buf;
+    sl.store = store;
+    if (store == Store::kLocal) {
+      sl.layout = a_.bufs[b].layout;
+    } else {
+      sl.bytes = static_cast<int64_t>(sl.buf->nbytes.load());
+    }
+    st.slots.push_back(sl);
+    int32_t s = static_cast<int32_t>(st.slots.size() - 1);
+    ls.slot[b] = s;
+    return s;
+  }
+
+  // Binding of node i's use k (or, with `def`, its def k) in a loop.
+  Bound bind(Stage& st, LoopState& ls, int32_t i, size_t k, bool def) {
+    const NodeInfo& ni = a_.nodes[i];
+    const int32_t b = def ? ni.def_buf[k] : ni.use_buf[k];
+    const BufInfo& bi = a_.bufs[b];
+    Bound bd;
+    if (def && ni.discard[k]) {
+      bd.bind = Bind::kDiscard;
+      return bd;
+    }
+    Mode mode;
+    int8_t dim = -1;
+    int64_t unit = 1;
+    if (def) {
+      const Place& p = ni.rr.outs[k];
+      mode = p.is_s() ? Mode::kRows : (p.is_p() ? Mode::kPartial : Mode::kWhole);
+      dim = p.dim;
+      unit = p.unit;
+    } else {
+      const OperandMode& m = ni.rr.ins[k];
+      mode = m.mode;
+      dim = m.dim;
+      unit = m.unit;
+    }
+    if (mode == Mode::kWhole) return bd;
+    bd.dim = dim;
+    bd.unit = unit;
+    if (mode == Mode::kPartial) {
+      bd.bind = Bind::kPartial;
+      bd.slot = slot_of(st, ls, b, Store::kPartial);
+    } else if (bi.place.is_s() && !full_[b]) {
+      bd.bind = Bind::kLocal;
+      bd.slot = slot_of(st, ls, b, Store::kLocal);
+    } else {
+      bd.bind = Bind::kNarrow;
+    }
+    return bd;
+  }
+
+  // G rows per random-number block: enough elements per kernel call to amortize it, a power of two
+  // up to 64; one row when the op also reads batch-sharded inputs (a block cannot be drawn apart).
+  uint32_t rng_block(const NodeInfo& ni) const {
+    if (ni.node->row_keyed) return ni.node->row_keyed->block;
+    int64_t row = 0;
+    bool reads_rows = false;
+    for (size_t k = 0; k < ni.ops.size(); ++k) {
+      const OperandMode& m = ni.rr.ins[k];
+      if (m.mode != Mode::kRows) continue;
+      if (!ni.ops[k].write) reads_rows = true;
+      int64_t numel = 1;
+      for (int64_t sz : ni.ops[k].sizes) numel *= sz;
+      row = std::max(row, numel / std::max<int64_t>(a_.batch, 1));
+    }
+    for (size_t j = 0; j < ni.node->defs.size(); ++j) {
+      if (!ni.rr.outs[j].is_s()) continue;
+      reads_rows = true; // a functional random op reads its inputs' rows
+      row = std::max(row, ni.node->defs[j].ref.meta.numel() / std::max<int64_t>(a_.batch, 1));
+    }
+    if (reads_rows || row <= 0) return 1;
+    uint32_t g = 1;
+    while (g < 64 && static_cast<int64_t>(g) * row < 65536) g *= 2;
+    return g;
+  }
+
+  PlannedNode planned_loop_node(Stage& st, LoopState& ls, int32_t i, size_t body_index) {
+    const NodeInfo& ni = a_.nodes[i];
+    const Node& n = *ni.node;
+    PlannedNode pn(ni.node, i < static_cast<int32_t>(in_.nodes.size()) ? i : -1);
+    if (ni.rr.replace_op) {
+      std::string full(ni.rr.replace_op);
+      auto dot = full.find('.');
+      std::string name = full.substr(0, dot), overload = dot == std::string::npos ? "" : full.substr(dot + 1);
+      pn.op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
+    }
+    for (size_t k = 0; k < n.uses.size(); ++k) {
+      pn.uses.push_back(bind(st, ls, i, k, false));
+      if (pn.uses.back().slot >= 0) ls.last[pn.uses.back().slot] = body_index;
+    }
+    for (size_t j = 0; j < n.defs.size(); ++j) {
+      pn.defs.push_back(bind(st, ls, i, j, true));
+      if (pn.defs.back().slot >= 0) ls.last[pn.defs.back().slot] = body_index;
+    }
+    for (size_t k = n.uses.size(); k < ni.ops.size(); ++k) {
+      const OperandMode& m = ni.rr.ins[k];
+      if (m.mode == Mode::kRows) pn.consts.push_back(ConstNarrow{ni.ops[k].arg, ni.ops[k].elem, m.dim, m.unit});
+    }
+    pn.rewrites.assign(ni.rr.rewrites.begin(), ni.rr.rewrites.end());
+    pn.post_div.assign(ni.rr.post_div.begin(), ni.rr.post_div.end());
+    pn.placeholder_outputs = op_rules(n.op).placeholder_outputs;
+    if (n.random && !ni.rr.no_draws) pn.rng_block = rng_block(ni);
+    return pn;
+  }
+
+  void emit() {
+    plan_.split = true;
+    std::vector<std::vector<int32_t>> by_stage(std::max(stages_, 1));
+    for (int32_t i : a_.order) by_stage[a_.nodes[i].stage].push_back(i);
+    // Last access of every buffer with storage, as (stage, node) in the flattened plan.
+    std::unordered_map<int32_t, std::pair<size_t, size_t>> last;
+    std::vector<char> real(a_.bufs.size(), 0);
+    for (size_t b = 0; b < a_.bufs.size(); ++b) real[b] = a_.bufs[b].resident;
+    for (size_t s = 0; s < by_stage.size(); ++s) {
+      if (by_stage[s].empty()) continue;
+      Stage st;
+      st.loop = s % 2 == 1;
+      const size_t si = plan_.stages.size();
+      if (!st.loop) {
+        for (int32_t i : by_stage[s]) {
+          const NodeInfo& ni = a_.nodes[i];
+          PlannedNode pn(ni.node, i < static_cast<int32_t>(in_.nodes.size()) ? i : -1);
+          pn.placeholder_outputs = op_rules(ni.node->op).placeholder_outputs;
+          for (int32_t b : ni.use_buf) last[b] = {si, st.nodes.size()};
+          for (size_t j = 0; j < ni.def_buf.size(); ++j) {
+            if (!ni.discard[j]) last[ni.def_buf[j]] = {si, st.nodes.size()};
+          }
+          for (int32_t b : ni.use_buf) real[b] = 1;
+          for (int32_t b : ni.def_buf) real[b] = 1;
+          st.nodes.push_back(std::move(pn));
+        }
+        plan_.stages.push_back(std::move(st));
+        continue;
+      }
+      st.batch = a_.batch;
+      LoopState ls;
+      std::unordered_map<int32_t, uint32_t> written; // full buffers written here -> last version
+      auto add = [&](int32_t i) {
+        PlannedNode pn = planned_loop_node(st, ls, i, st.nodes.size());
+        const NodeInfo& ni = a_.nodes[i];
+        for (size_t k = 0; k < ni.use_buf.size(); ++k) {
+          const int32_t b = ni.use_buf[k];
+          if (pn.uses[k].bind == Bind::kWhole || pn.uses[k].bind == Bind::kNarrow) last[b] = {si, st.nodes.size()};
+          if (ni.node->uses[k].write && pn.uses[k].bind == Bind::kNarrow) written[b] = ni.node->uses[k].write_version;
+        }
+        for (size_t j = 0; j < ni.def_buf.size(); ++j) {
+          if (pn.defs[j].bind == Bind::kNarrow) {
+            written[ni.def_buf[j]] = ni.node->defs[j].ref.version;
+            last[ni.def_buf[j]] = {si, st.nodes.size()};
+          }
+        }
+        st.nodes.push_back(std::move(pn));
+      };
+      for (int32_t i : by_stage[s]) {
+        // Uploads this loop reads but that ran in another stage: read their rows from the host again.
+        const NodeInfo& ni = a_.nodes[i];
+        for (size_t k = 0; k < ni.use_buf.size(); ++k) {
+          const int32_t b = ni.use_buf[k];
+          if (ni.rr.ins[k].mode != Mode::kRows || full_[b] || !a_.bufs[b].place.is_s()) continue;
+          int32_t p = producer(b, ni.node->uses[k].ref.version);
+          if (p >= 0 && is_upload(p) && a_.nodes[p].stage != static_cast<int32_t>(s) && !ls.uploaded.count(p)) {
+            ls.uploaded.insert(p);
+            add(p);
+          }
+        }
+        if (is_upload(i)) ls.uploaded.insert(i);
+        add(i);
+      }
+      // Partials: accumulate after their last partial write; free every slot after its last access.
+      for (size_t q = 0; q < st.slots.size(); ++q) {
+        Slot& sl = st.slots[q];
+        if (sl.store != Store::kPartial) continue;
+        const int32_t b = a_.index.at(sl.buf);
+        const BufInfo& bi = a_.bufs[b];
+        int32_t writer = producer(b, bi.p_last);
+        size_t at = 0;
+        for (size_t p = 0; p < st.nodes.size(); ++p) {
+          if (st.nodes[p].node == a_.nodes[writer].node) at = p;
+        }
+        st.nodes[at].accumulate.push_back(static_cast<int32_t>(q));
+        ls.last[q] = std::max(ls.last[q], at);
+        Accumulator acc;
+        acc.slot = static_cast<int32_t>(q);
+        acc.buf = sl.buf;
+        acc.version = bi.p_last;
+        acc.reduce = bi.place.reduce;
+        const int32_t def_node = producer(b, bi.p_first);
+        const NodeInfo& dn = a_.nodes[def_node];
+        acc.meta = dn.node->defs.empty() ? dn.node->uses[0].ref.meta : dn.node->defs[0].ref.meta;
+        for (size_t j = 0; j < dn.node->defs.size(); ++j) {
+          if (dn.def_buf[j] != b) continue;
+          acc.meta = dn.node->defs[j].ref.meta;
+          const Finalize& f = dn.rr.finalize[j];
+          acc.finalize = f.kind;
+          acc.divisor = f.value;
+          if (f.kind == Finalize::kDivOutput) acc.divide_by = dn.node->defs[f.output].ref.buf.get();
+        }
+        sl.acc = static_cast<int32_t>(st.accs.size());
+        st.accs.push_back(acc);
+        last[b] = {si, st.nodes.size()};
+        real[b] = 1;
+      }
+      for (auto [slot, at] : ls.last) st.nodes[at].free_slots.push_back(slot);
+      for (auto [b, version] : written) {
+        if (!real[b]) st.stores.push_back(FullStore{a_.bufs[b].buf, host_[b] != 0, version});
+        real[b] = 1;
+      }
+      for (FullStore& f : st.stores) f.version = written[a_.index.at(f.buf)];
+      plan_.stages.push_back(std::move(st));
+    }
+    // Releases: after the last access, unless the value survives the plan or a kept node reads it.
+    for (auto [b, at] : last) {
+      const BufInfo& bi = a_.bufs[b];
+      if ((bi.live && !kept_[b]) || bi.needed || pinned_[b]) continue;
+      if (a_.bufs[b].place.is_s() && !full_[b]) continue; // chunk-local only: no storage to release
+      Stage& st = plan_.stages[at.first];
+      if (st.loop) {
+        st.release_after.push_back(bi.buf);
+      } else {
+        st.nodes[at.second].release.push_back(bi.buf);
+      }
+    }
+    // Dead values nothing here touches.
+    for (size_t b = 0; b < a_.bufs.size(); ++b) {
+      const BufInfo& bi = a_.bufs[b];
+      if (bi.resident && !bi.live && !pinned_[b] && !last.count(static_cast<int32_t>(b))) {
+        plan_.release_unused.push_back(bi.buf);
+      }
+    }
+    plan_.executed_nodes = a_.order.size();
+    plan_.eliminated = in_.nodes.size() - std::min(in_.nodes.size(), a_.order.size() + plan_.retained.size());
+  }
+
+  // ---- chunk sizes ----
+
+  bool choose_chunks() {
+    const int64_t forced = in_.force_chunks;
+    for (int attempt = 0; attempt < 32; ++attempt) {
+      MemoryModel model = model_memory(plan_);
+      bool ok = true;
+      for (size_t s = 0; s < plan_.stages.size(); ++s) {
+        Stage& st = plan_.stages[s];
+        if (!st.loop) continue;
+        const int64_t B = st.batch;
+        if (forced > 0) {
+          st.chunk = std::max<int64_t>(1, (B + forced - 1) / forced);
+          continue;
+        }
+        int64_t cmax = in_.budget < 0 ? B : model.max_chunk(static_cast<int32_t>(s), B, in_.budget);
+        if (cmax < 1) {
+          ok = false;
+          st.chunk = 1;
+          continue;
+        }
+        const int64_t n = (B + cmax - 1) / cmax;
+        int64_t c = (B + n - 1) / n;
+        if (c < B) {
+          const int64_t up = (c + 7) / 8 * 8, down = c / 8 * 8;
+          if (up <= cmax) {
+            c = up;
+          } else if (down >= 8) {
+            c = down;
+          }
+        }
+        st.chunk = std::min(c, B);
+      }
+      const MemPoint* where = nullptr;
+      plan_.predicted_peak = model.peak(plan_, &where);
+      if (ok && (forced > 0 || in_.budget < 0 || plan_.predicted_peak <= in_.budget)) return true;
+      // Results and surviving values assembled on the device do not fit: the largest goes to host
+      // memory (a result larger than the budget is assembled there and downloaded from there).
+      FullStore* biggest = nullptr;
+      for (Stage& st : plan_.stages) {
+        for (FullStore& f : st.stores) {
+          const BufInfo& bi = a_.bufs[a_.index.at(f.buf)];
+          if (f.host || !(bi.needed || bi.live)) continue;
+          if (!biggest || f.buf->nbytes.load() > biggest->buf->nbytes.load()) biggest = &f;
+        }
+      }
+      if (!biggest) {
+        std::ostringstream os;
+        os << "no chunk size fits the budget of " << format_bytes(in_.budget);
+        if (where && where->node) {
+          os << ": at " << where->node->describe() << " " << format_bytes(where->bytes)
+             << " must be held whatever the chunk size";
+        }
+        a_.notes.push_back(os.str());
+        return false;
+      }
+      biggest->host = true;
+    }
+    return false;
+  }
+
+  void explain() {
+    std::ostringstream os;
+    int64_t loops = 0, chunks = 0;
+    for (const Stage& st : plan_.stages) {
+      if (!st.loop) continue;
+      ++loops;
+      chunks = std::max<int64_t>(chunks, st.chunks());
+    }
+    os << "split along a batch of " << a_.batch << " rows: " << loops << (loops == 1 ? " pass" : " passes")
+       << ", up to " << chunks << " chunks";
+    plan_.notes.insert(plan_.notes.begin(), os.str());
+    for (int32_t i : a_.order) {
+      const NodeInfo& ni = a_.nodes[i];
+      if (!ni.barrier) continue;
+      plan_.notes.push_back("barrier: " + ni.node->describe() + " runs whole: " + (ni.rr.why ? ni.rr.why : "no rule"));
+    }
+    if (!plan_.retained.empty()) {
+      plan_.notes.push_back(std::to_string(plan_.retained.size()) +
+                            " nodes stay pending: batch-sharded values that survive are recomputed chunk by chunk "
+                            "when needed, not stored");
+    }
+    for (const Stage& st : plan_.stages) {
+      for (const FullStore& f : st.stores) {
+        if (f.host) plan_.notes.push_back("b" + std::to_string(f.buf->id) + " (" + format_bytes(f.buf->nbytes.load()) +
+                                          ") is assembled in host memory: it does not fit the device budget");
+      }
+    }
+    plan_.barriers = a_.barriers;
+    plan_.batch = a_.batch;
+  }
+
+  const PlanInput& in_;
+  const Schedule& s_;
+  Plan& plan_;
+  Analysis a_;
+  int32_t stages_ = 0;
+  std::unordered_map<uint64_t, int32_t> producer_;
+  std::vector<uint32_t> final_, exec_final_;
+  std::vector<char> exec_, retain_, kept_, pinned_, full_, host_;
+  std::vector<uint64_t> pins_;
+
+ public:
+  std::vector<NodePtr> take_owned() {
+    return std::move(a_.owned);
+  }
+};
+
+} // namespace
+
+bool make_split_plan(const PlanInput& in, const Schedule& s, Plan& plan) {
+  SplitBuilder b(in, s, plan);
+  bool ok = b.build();
+  if (ok) plan.owned = b.take_owned();
+  return ok;
+}
+
+} // namespace lazymem
