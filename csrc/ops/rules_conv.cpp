@@ -117,11 +117,14 @@ bool per_sample(const RuleCall& c, RuleResult& r) {
   for (size_t i = 0; i < c.ins.size(); ++i) {
     if (r.ins[i].mode == Mode::kWhole && c.ins[i].place.is_s()) return fail(r, "a weight carries the batch");
   }
-  for (size_t j = 0; j < c.outs.size() && j < s.outs.size(); ++j) {
-    if (s.outs[j] == 'S') {
+  for (size_t j = 0; j < c.outs.size(); ++j) {
+    // Outputs a mask turned off are not defs: index the spec by the def's return position.
+    const size_t ret = static_cast<size_t>(c.outs[j].ret);
+    if (ret >= s.outs.size()) continue;
+    if (s.outs[ret] == 'S') {
       if (c.outs[j].sizes.empty() || c.outs[j].sizes[0] != rows) return fail(r, "an output without the batch");
       r.outs[j] = Place::S(0, unit);
-    } else if (s.outs[j] == 'P') {
+    } else if (s.outs[ret] == 'P') {
       r.outs[j] = Place::P(Reduce::kSum);
     }
   }

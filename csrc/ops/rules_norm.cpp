@@ -56,6 +56,12 @@ std::optional<Place> batch_of(const RuleCall& c, RuleResult& r, std::initializer
   return found;
 }
 
+// A norm backward's (grad_input, grad_weight, grad_bias): the input's gradient keeps the batch, the
+// affine parameters' sum over it (outputs masked off are not defs, hence the return positions).
+void grad_outputs(const RuleCall& c, RuleResult& r, const Place& input) {
+  for (size_t j = 0; j < c.outs.size(); ++j) r.outs[j] = c.outs[j].ret == 0 ? input : Place::P(Reduce::kSum);
+}
+
 // native_layer_norm(input, normalized_shape, weight, bias, eps) -> (out, mean, rstd)
 bool layer_norm(const RuleCall& c, RuleResult& r) {
   if (nothing_batched(c)) return replicated(c, r);
@@ -75,8 +81,7 @@ bool layer_norm_backward(const RuleCall& c, RuleResult& r) {
   auto p = batch_of(c, r, {0, 1, 3, 4}, axis);
   if (!p) return false;
   if (!p->is_s()) return replicated(c, r);
-  r.outs[0] = *p;
-  for (size_t j = 1; j < r.outs.size(); ++j) r.outs[j] = Place::P(Reduce::kSum);
+  grad_outputs(c, r, *p);
   return true;
 }
 
@@ -99,8 +104,7 @@ bool group_norm_backward(const RuleCall& c, RuleResult& r) {
   if (!p) return false;
   if (!p->is_s()) return replicated(c, r);
   if (p->unit != 1) return fail(r, "a flattened batch");
-  r.outs[0] = Place::S(0, 1);
-  for (size_t j = 1; j < r.outs.size(); ++j) r.outs[j] = Place::P(Reduce::kSum);
+  grad_outputs(c, r, Place::S(0, 1));
   r.rewrites.push_back(ArgRewrite{5, -1, ArgRewrite::kRows, 0, 1});
   return true;
 }
@@ -118,9 +122,8 @@ bool batch_norm(const RuleCall& c, RuleResult& r) {
   auto p = batch_of(c, r, {0}, 1);
   if (!p) return false;
   if (!p->is_s()) return replicated(c, r);
-  r.outs[0] = *p;
   // The saved statistics are placeholders in eval mode: every chunk's are the same.
-  for (size_t j = 1; j < r.outs.size(); ++j) r.outs[j] = Place::P(Reduce::kNone);
+  for (size_t j = 0; j < c.outs.size(); ++j) r.outs[j] = c.outs[j].ret == 0 ? *p : Place::P(Reduce::kNone);
   return true;
 }
 
@@ -132,8 +135,7 @@ bool batch_norm_backward(const RuleCall& c, RuleResult& r) {
   auto p = batch_of(c, r, {0, 1}, 1);
   if (!p) return false;
   if (!p->is_s()) return replicated(c, r);
-  r.outs[0] = *p;
-  for (size_t j = 1; j < r.outs.size(); ++j) r.outs[j] = Place::P(Reduce::kSum);
+  grad_outputs(c, r, *p);
   return true;
 }
 

@@ -33,10 +33,10 @@ struct Spec {
 const std::unordered_map<std::string, Spec>& specs() {
   static const std::unordered_map<std::string, Spec> m = {
       {"aten::sum.dim_IntList", {Spec::kList, 1, 2, Reduce::kSum}},
-      {"aten::sum", {Spec::kAll, -1, -1, Reduce::kSum}},
+      {"aten::sum", {Spec::kAll, -1, -2, Reduce::kSum}},
       {"aten::nansum", {Spec::kList, 1, 2, Reduce::kSum}},
       {"aten::mean.dim", {Spec::kList, 1, 2, Reduce::kSum, "aten::sum.dim_IntList"}},
-      {"aten::mean", {Spec::kAll, -1, -1, Reduce::kSum, "aten::sum"}},
+      {"aten::mean", {Spec::kAll, -1, -2, Reduce::kSum, "aten::sum"}},
       {"aten::amax", {Spec::kList, 1, 2, Reduce::kMax}},
       {"aten::amin", {Spec::kList, 1, 2, Reduce::kMin}},
       {"aten::count_nonzero.dim_IntList", {Spec::kList, 1, -2, Reduce::kSum}},

@@ -57,7 +57,51 @@ Plan make_plan(const PlanInput& in) {
   return plan;
 }
 
-std::string Plan::to_string() const {
+namespace {
+
+const char* bind_name(Bind b) {
+  switch (b) {
+    case Bind::kWhole:
+      return "whole";
+    case Bind::kLocal:
+      return "rows";
+    case Bind::kNarrow:
+      return "rows of full";
+    case Bind::kPartial:
+      return "partial";
+    case Bind::kDiscard:
+      return "dropped";
+  }
+  return "?";
+}
+
+std::string node_line(const PlannedNode& pn) {
+  std::ostringstream os;
+  const Node& n = *pn.node;
+  os << "#" << n.seq << " " << pn.op.operator_name().name;
+  if (!pn.op.operator_name().overload_name.empty()) os << "." << pn.op.operator_name().overload_name;
+  os << "(";
+  for (size_t i = 0; i < n.uses.size(); ++i) {
+    os << (i ? ", " : "") << "b" << n.uses[i].ref.buf->id << (n.uses[i].write ? "!" : "");
+    if (!pn.uses.empty() && pn.uses[i].bind != Bind::kWhole) os << ":" << bind_name(pn.uses[i].bind);
+  }
+  os << ")";
+  if (!n.defs.empty()) {
+    os << " -> ";
+    for (size_t j = 0; j < n.defs.size(); ++j) {
+      os << (j ? ", " : "") << "b" << n.defs[j].ref.buf->id;
+      if (!pn.defs.empty() && pn.defs[j].bind != Bind::kWhole) os << ":" << bind_name(pn.defs[j].bind);
+    }
+  }
+  if (pn.rng_block) os << " [random, rows keyed in blocks of " << pn.rng_block << "]";
+  if (!pn.rewrites.empty()) os << " [" << pn.rewrites.size() << " args per chunk]";
+  if (pn.op != n.op) os << " [runs as " << pn.op.operator_name().name << "]";
+  return os.str();
+}
+
+} // namespace
+
+std::string Plan::to_string(bool nodes) const {
   std::ostringstream os;
   os << (split ? "split" : "unsplit") << " plan: " << executed_nodes << " nodes run, " << eliminated
      << " eliminated";
@@ -65,17 +109,36 @@ std::string Plan::to_string() const {
   os << "; predicted peak " << format_bytes(predicted_peak);
   if (budget >= 0) os << " of a " << format_bytes(budget) << " budget";
   os << "\n";
+  for (const std::string& n : notes) os << "  " << n << "\n";
   for (size_t i = 0; i < stages.size(); ++i) {
     const Stage& st = stages[i];
-    if (st.loop) {
-      os << "  stage " << i << ": loop over " << st.batch << " rows in " << st.chunks() << " chunks of "
-         << st.chunk << ", " << st.nodes.size() << " nodes, " << st.accs.size() << " accumulators, "
-         << st.stores.size() << " assembled\n";
-    } else {
+    if (!st.loop) {
       os << "  stage " << i << ": " << st.nodes.size() << " nodes run once\n";
+    } else {
+      os << "  stage " << i << ": pass over " << st.batch << " rows in " << st.chunks() << " chunks of " << st.chunk
+         << ", " << st.nodes.size() << " nodes\n";
+      for (const Slot& sl : st.slots) {
+        if (sl.store == Store::kLocal) {
+          os << "    b" << sl.buf->id << " batch-sharded, chunk-local: " << format_bytes(sl.layout.bytes(st.chunk))
+             << " per chunk\n";
+        } else {
+          const Accumulator& a = st.accs[sl.acc];
+          os << "    b" << sl.buf->id << " partial P(" << reduce_name(a.reduce) << "), " << format_bytes(sl.bytes)
+             << " accumulated";
+          if (a.finalize == Finalize::kDivConst) os << ", then divided by " << a.divisor;
+          if (a.finalize == Finalize::kDivOutput) os << ", then divided by b" << a.divide_by->id;
+          os << "\n";
+        }
+      }
+      for (const FullStore& f : st.stores) {
+        os << "    b" << f.buf->id << " batch-sharded, assembled whole in " << (f.host ? "host memory" : "device memory")
+           << ": " << format_bytes(static_cast<int64_t>(f.buf->nbytes.load())) << "\n";
+      }
+    }
+    if (nodes) {
+      for (const PlannedNode& pn : st.nodes) os << "      " << node_line(pn) << "\n";
     }
   }
-  for (const std::string& n : notes) os << "  " << n << "\n";
   return os.str();
 }
 

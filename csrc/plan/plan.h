@@ -134,7 +134,9 @@ struct Plan {
   int64_t batch = 0;                       // split: the batch's rows
   size_t barriers = 0;                     // split: nodes with batched operands that run whole
   std::vector<NodePtr> owned;              // nodes the planner synthesized (never put back)
-  std::string to_string() const;
+  // Text form: what splits and why, passes, chunks, where each batch-sharded value lives, partials
+  // and their finishes; with `nodes`, every node with its bindings.
+  std::string to_string(bool nodes = false) const;
 };
 
 } // namespace lazymem

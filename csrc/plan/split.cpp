@@ -232,20 +232,23 @@ class SplitBuilder {
     full_.assign(nb, 0);
     host_.assign(nb, 0);
     std::vector<int32_t> stage_of(nb, -1);
-    auto touch = [&](int32_t b, int32_t stage, bool whole) {
+    auto touch = [&](int32_t b, int32_t stage, bool whole, bool uploaded) {
       if (!a_.bufs[b].place.is_s()) return;
-      if (whole || (stage_of[b] >= 0 && stage_of[b] != stage)) full_[b] = 1;
+      if (whole) full_[b] = 1;
+      if (uploaded) return; // each loop that reads a leaf's rows uploads them again
+      if (stage_of[b] >= 0 && stage_of[b] != stage) full_[b] = 1;
       stage_of[b] = stage;
     };
     for (int32_t i : a_.order) {
       const NodeInfo& ni = a_.nodes[i];
       const Node& n = *ni.node;
-      if (is_upload(i)) continue; // re-run by each loop that reads the leaf
+      if (is_upload(i)) continue;
       for (size_t k = 0; k < n.uses.size(); ++k) {
-        touch(ni.use_buf[k], ni.stage, !ni.loop || ni.rr.ins[k].mode == Mode::kWhole);
+        const int32_t p = n.uses[k].full_overwrite() ? -1 : producer(ni.use_buf[k], n.uses[k].ref.version);
+        touch(ni.use_buf[k], ni.stage, !ni.loop || ni.rr.ins[k].mode == Mode::kWhole, p >= 0 && is_upload(p));
       }
       for (size_t j = 0; j < n.defs.size(); ++j) {
-        if (!ni.discard[j]) touch(ni.def_buf[j], ni.stage, !ni.loop);
+        if (!ni.discard[j]) touch(ni.def_buf[j], ni.stage, !ni.loop, false);
       }
     }
     for (size_t b = 0; b < nb; ++b) {

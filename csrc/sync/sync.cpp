@@ -115,13 +115,13 @@ void run_segment(Segment& seg, const SyncRequest& req) {
   in.force_chunks = config().force_chunks.load(std::memory_order_relaxed);
   const auto t0 = std::chrono::steady_clock::now();
   Plan plan = make_plan(in);
-  if (config().debug >= 2) std::fprintf(stderr, "[lazymem] %s", plan.to_string().c_str());
+  if (config().debug >= 2) std::fprintf(stderr, "[lazymem] %s", plan.to_string(/*nodes=*/true).c_str());
   ExecOutcome out = execute(plan);
   record_stats(plan, out);
   size_t pending = put_back(seg, plan, out);
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   remember(plan, out, ms);
-  if (config().debug && plan.split) std::fprintf(stderr, "[lazymem] %s", plan.to_string().c_str());
+  if (config().debug == 1 && plan.split) std::fprintf(stderr, "[lazymem] %s", plan.to_string().c_str());
   if (config().debug) {
     std::fprintf(stderr, "[lazymem] materialized: %zu nodes run, %zu eliminated, peak %s (predicted %s), %.2f ms\n",
                  out.executed, plan.eliminated, format_bytes(out.peak).c_str(),
