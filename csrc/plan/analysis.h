@@ -60,6 +60,8 @@ struct Analysis {
   int64_t batch = 0;
   std::vector<std::string> notes;
   size_t barriers = 0;
+  // Nodes that must run whole (a meta probe on the chunk's shapes disagreed with their rule).
+  std::unordered_map<const Node*, std::string> forced_barriers;
 
   int32_t buffer(LazyBuffer* b);
   int32_t add_node(Node* n);

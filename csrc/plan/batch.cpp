@@ -385,11 +385,16 @@ void evaluate(Analysis& a, int32_t i, const std::vector<Place>& want) {
   const RuleEntry* e = placement_rule(n.op);
   const bool batched = any_batched(ni, want);
   bool ok = false;
-  if (e) ok = e->fn(call, r);
+  auto forced = a.forced_barriers.find(ni.node);
+  if (forced != a.forced_barriers.end()) {
+    r.why = forced->second.c_str();
+  } else if (e) {
+    ok = e->fn(call, r);
+  }
   ni.family = e ? e->family : "";
   ni.barrier = false;
   if (!ok) {
-    const char* why = e ? r.why : "no placement rule for this op";
+    const char* why = (e || forced != a.forced_barriers.end()) ? r.why : "no placement rule for this op";
     make_barrier(a, i, why);
     ni.barrier = batched;
   }

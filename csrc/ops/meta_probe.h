@@ -1,0 +1,50 @@
+// ops: meta probes. Runs an op on meta tensors of given geometry (no data, no device) and reports
+// its outputs' shapes and dtypes, or that it refused them. The planner probes every node it will run
+// on a chunk's shapes: an op whose shape arguments carry the batch in a way its rule did not rewrite
+// disagrees with the localized outputs, and runs whole instead of giving a wrong answer. Results are
+// cached by the call's geometry and arguments.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/ivalue.h>
+#include <c10/util/SmallVector.h>
+
+namespace lazymem {
+
+struct ProbeTensor {
+  int32_t arg = -1;
+  int32_t elem = -1;
+  c10::SmallVector<int64_t, 5> sizes;
+  c10::SmallVector<int64_t, 5> strides;
+  int64_t offset = 0;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  int32_t storage = -1;       // operands with the same storage id alias one meta storage
+  int64_t storage_bytes = 0;
+};
+
+struct ProbeOutput {
+  struct Item {
+    int32_t ret = -1;
+    int32_t elem = -1;                 // position in a list return, or -1
+    std::vector<int64_t> sizes;
+    c10::ScalarType dtype = c10::ScalarType::Undefined; // Undefined: an undefined tensor / None
+  };
+  std::vector<Item> items;
+  const Item* find(int32_t ret, int32_t elem) const {
+    for (const Item& i : items) {
+      if (i.ret == ret && i.elem == elem) return &i;
+    }
+    return nullptr;
+  }
+};
+
+// `args`: the boxed arguments with tensor slots to be filled from `tensors` (their other values are
+// used as given). nullopt when the meta kernel raises or does not exist.
+std::optional<ProbeOutput> meta_probe(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                                      const std::vector<ProbeTensor>& tensors);
+
+} // namespace lazymem
