@@ -36,6 +36,7 @@ std::map<std::string, int64_t> Stats::snapshot() const {
       {"barriers", ld(barriers)},
       {"batch_conflicts", ld(batch_conflicts)},
       {"nodes_kept_pending", ld(nodes_kept_pending)},
+      {"random_row_keyed", ld(random_row_keyed)},
   };
 }
 
@@ -58,6 +59,7 @@ void Stats::reset() {
   barriers = 0;
   batch_conflicts = 0;
   nodes_kept_pending = 0;
+  random_row_keyed = 0;
 }
 
 static Config* make_config() {

@@ -150,7 +150,7 @@ class Walker {
       }
       b.real_version = a.version;
     }
-    for (const FullStore& f : st.stores) f.buf->real_version = f.version;
+    for (const auto& [b, version] : st.written) b->real_version = version;
     for (LazyBuffer* b : st.release_after) b->drop_real();
     return true;
   }

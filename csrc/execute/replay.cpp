@@ -6,6 +6,7 @@
 #include <c10/core/GradMode.h>
 
 #include "core/check.h"
+#include "core/config.h"
 #include "core/runtime.h"
 #include "device/generator.h"
 #include "execute/real.h"
@@ -155,6 +156,7 @@ const Node::RowKeyed& row_keyed(const PlannedNode& pn, const Binder& binder) {
 void replay_row_keyed(const PlannedNode& pn, Binder& binder, torch::jit::Stack& stack) {
   Node& n = *pn.node;
   const Node::RowKeyed& rk = row_keyed(pn, binder);
+  stats().random_row_keyed.fetch_add(1, std::memory_order_relaxed);
   const bool loop = binder.in_loop();
   const int64_t s0 = loop ? binder.chunk_start() : 0;
   const int64_t rows = loop ? binder.chunk_rows() : rk.rows;

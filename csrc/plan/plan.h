@@ -114,6 +114,8 @@ struct Stage {
   std::vector<Slot> slots;
   std::vector<Accumulator> accs;
   std::vector<FullStore> stores;
+  // Buffers with full storage this loop writes row by row, and their versions when it ends.
+  std::vector<std::pair<LazyBuffer*, uint32_t>> written;
   std::vector<LazyBuffer*> release_after; // whole buffers whose last use is in this stage
   int64_t chunks() const {
     return chunk > 0 ? (batch + chunk - 1) / chunk : 0;

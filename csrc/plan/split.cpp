@@ -481,9 +481,9 @@ class SplitBuilder {
       for (auto [slot, at] : ls.last) st.nodes[at].free_slots.push_back(slot);
       for (auto [b, version] : written) {
         if (!real[b]) st.stores.push_back(FullStore{a_.bufs[b].buf, host_[b] != 0, version});
+        st.written.emplace_back(a_.bufs[b].buf, version);
         real[b] = 1;
       }
-      for (FullStore& f : st.stores) f.version = written[a_.index.at(f.buf)];
       plan_.stages.push_back(std::move(st));
     }
     // Releases: after the last access, unless the value survives the plan or a kept node reads it.

@@ -40,9 +40,11 @@ std::vector<Edge> edges(const Analysis& a) {
         auto it = producer.find(kv);
         if (it != producer.end()) {
           const NodeInfo& p = a.nodes[it->second];
+          // A partial value read as anything but a partial needs it finished: the next stage.
+          const bool finished = m != Mode::kPartial && a.use_place(ni, k).is_p();
           int32_t gap = 0;
           if (p.loop && ni.loop) {
-            gap = m == Mode::kWhole ? 2 : 0;
+            gap = m == Mode::kWhole || finished ? 2 : 0;
           } else if (p.loop != ni.loop) {
             gap = 1;
           }

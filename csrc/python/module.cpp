@@ -103,6 +103,8 @@ std::string backing_device_name() {
 }
 
 void mark_batch(const at::Tensor& t, std::optional<int64_t> dim) {
+  LAZYMEM_CHECK_VALUE(t.layout() == c10::kStrided, "mark_batch expects a strided lazymem tensor, got layout ",
+                      t.layout());
   LazyBuffer* b = buffer_of(t);
   LAZYMEM_CHECK_VALUE(b != nullptr, "mark_batch expects a lazymem tensor, got a tensor on ", t.device(),
                       "; move it with .to('lazymem') first");

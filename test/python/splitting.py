@@ -1,0 +1,86 @@
+"""Helpers for split-vs-eager tests: train the same model on eager CPU and on lazymem with every
+materialization split (torch_lazymem.testing.force_chunks) or under a simulated device, in float64,
+and compare losses, parameters, gradients, buffers and optimizer state at assert_close defaults
+(split results equal unsplit up to floating-point reassociation; a wrong rule shows at 1e-3)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Callable
+
+import torch
+
+import torch_lazymem
+from torch_lazymem.testing import force_chunks
+
+ORDERS = ("step_then_item", "item_first")
+
+
+def to_lazy(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to("lazymem")
+    if isinstance(batch, dict):
+        return {k: to_lazy(v) for k, v in batch.items()}
+    return type(batch)(to_lazy(v) for v in batch)
+
+
+def assert_state_close(eager: torch.nn.Module, lazy: torch.nn.Module, opt_e=None, opt_l=None) -> None:
+    for (name, p), (_, q) in zip(eager.named_parameters(), lazy.named_parameters()):
+        torch.testing.assert_close(q.detach().cpu(), p.detach(), msg=lambda m, n=name: f"parameter {n}: {m}")
+    for (name, b), (_, c) in zip(eager.named_buffers(), lazy.named_buffers()):
+        torch.testing.assert_close(c.cpu(), b, msg=lambda m, n=name: f"buffer {n}: {m}")
+    if opt_e is not None:
+        for pe, pl in zip(eager.parameters(), lazy.parameters()):
+            for key, ve in opt_e.state[pe].items():
+                vl = opt_l.state[pl][key]
+                if isinstance(ve, torch.Tensor):
+                    torch.testing.assert_close(vl.cpu(), ve, msg=lambda m, k=key: f"optimizer state {k}: {m}")
+
+
+def train_split(
+    make_model: Callable[[], torch.nn.Module],
+    make_batch: Callable[[int], Any],
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    chunks: int | None = None,
+    steps: int = 5,
+    order: str = "step_then_item",
+    make_opt: Callable[[Any], torch.optim.Optimizer] = lambda p: torch.optim.AdamW(p, lr=1e-2),
+    context: Callable[[], Any] = contextlib.nullcontext,
+) -> dict[str, int]:
+    """Trains float64 twins: eager unsplit and lazymem split. Returns lazymem's stats."""
+    torch.manual_seed(0)
+    eager = make_model().double()
+    lazy = copy.deepcopy(eager).to("lazymem")
+    opt_e, opt_l = make_opt(eager.parameters()), make_opt(lazy.parameters())
+    torch.lazymem.synchronize()
+    torch_lazymem.reset_stats()
+    def split():
+        return force_chunks(chunks) if chunks else contextlib.nullcontext()
+
+    for step in range(steps):
+        batch = make_batch(step)
+        loss_e = loss_fn(eager, batch)
+        loss_e.backward()
+        opt_e.step()
+        opt_e.zero_grad()
+        with split(), context():
+            lb = to_lazy(batch)
+            if order == "item_first":
+                loss = loss_fn(lazy, lb)
+                value = loss.item()
+                loss.backward()
+                opt_l.step()
+                opt_l.zero_grad()
+            else:
+                loss = loss_fn(lazy, lb)
+                loss.backward()
+                opt_l.step()
+                opt_l.zero_grad()
+                value = loss.item()
+        # (transformers computes its LM loss in float32 whatever the model's dtype: eager's dtype decides)
+        torch.testing.assert_close(torch.tensor(value, dtype=loss_e.dtype), loss_e.detach(),
+                                   msg=lambda m, s=step: f"loss at step {s}: {m}")
+    with split(), context():
+        assert_state_close(eager, lazy, opt_e, opt_l)
+    return torch_lazymem.stats()

@@ -1,0 +1,157 @@
+"""Splitting to fit memory, on the simulated device: eager runs out of memory under a capacity where
+lazymem splits the same work and finishes with the same results; the measured peak never exceeds the
+capacity; the memory model predicts it before anything runs; a result larger than the budget is
+assembled in host memory; what cannot be split and does not fit raises a lazymem: out-of-memory
+error and loses nothing; nothing splits when the program fits."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch_lazymem
+from torch_lazymem.testing import memory_cap, simulated_device
+
+MiB = 1024 * 1024
+
+
+def mlp(d=128, h=1024, c=10):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(d, h), nn.ReLU(), nn.Linear(h, c)).double()
+
+
+def batch(b=4096, d=128, c=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, d, generator=g, dtype=torch.float64), torch.randint(0, c, (b,), generator=g)
+
+
+def step(model, opt, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def test_eager_runs_out_of_memory_where_lazymem_splits_and_matches():
+    cap = 24 * MiB  # activations of one step alone: 4096 x 1024 x 8 B = 32 MiB each
+    model = mlp()
+    x, y = batch()
+    eager = copy.deepcopy(model)
+    with pytest.raises(torch.OutOfMemoryError), memory_cap(cap):
+        step(eager, torch.optim.AdamW(eager.parameters()), x, y)
+
+    eager = copy.deepcopy(model)
+    lazy = copy.deepcopy(model).to("lazymem")
+    opt_e, opt_l = torch.optim.AdamW(eager.parameters()), torch.optim.AdamW(lazy.parameters())
+    for s in range(3):
+        xs, ys = batch(seed=s)
+        expected = step(eager, opt_e, xs, ys)
+        with simulated_device(cap):
+            torch.lazymem.reset_peak_memory_stats()
+            got = step(lazy, opt_l, xs.to("lazymem"), ys.to("lazymem"))
+            assert torch.lazymem.max_memory_allocated() <= cap
+        stats = torch_lazymem.stats()
+        assert stats["splits"] == s + 1 and stats["chunks"] >= 2
+        assert stats["peak_bytes"] <= cap
+        torch.testing.assert_close(got, expected)
+    with simulated_device(cap):
+        for p, q in zip(eager.parameters(), lazy.parameters()):
+            torch.testing.assert_close(q.cpu(), p.detach())
+
+
+def test_the_memory_model_predicts_the_peak_before_running():
+    model = mlp().to("lazymem")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ratios = []
+    with simulated_device(24 * MiB):
+        for s in range(3):
+            x, y = batch(seed=s)
+            step(model, opt, x.to("lazymem"), y.to("lazymem"))
+            stats = torch_lazymem.stats()
+            ratios.append(stats["predicted_peak_bytes"] / stats["peak_bytes"])
+    # float64 MLP kernels need no workspace on the CPU: exact from the first step
+    assert all(abs(r - 1) <= 0.02 for r in ratios), ratios
+
+
+def test_nothing_splits_when_the_program_fits():
+    model = mlp()
+    x, y = batch(b=64)
+    eager = copy.deepcopy(model)
+    lazy = copy.deepcopy(model).to("lazymem")
+    expected = step(eager, torch.optim.AdamW(eager.parameters()), x, y)
+    with simulated_device(64 * MiB):
+        got = step(lazy, torch.optim.AdamW(lazy.parameters()), x.to("lazymem"), y.to("lazymem"))
+        assert torch_lazymem.stats()["splits"] == 0
+        assert got == expected  # bitwise: the same kernels on the same data, as eager
+        for p, q in zip(eager.parameters(), lazy.parameters()):
+            assert torch.equal(q.cpu(), p.detach())
+    assert "unsplit plan" in torch_lazymem.explain(print_it=False)
+
+
+def test_a_result_larger_than_the_budget_is_assembled_in_host_memory():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 2048))
+    x = torch.randn(4096, 64)
+    with torch.no_grad():
+        expected = model(x)
+        lazy = copy.deepcopy(model).to("lazymem")
+        with simulated_device(8 * MiB):  # the logits alone are 32 MiB
+            torch.lazymem.reset_peak_memory_stats()
+            got = lazy(x.to("lazymem")).cpu()
+            assert torch.lazymem.max_memory_allocated() <= 8 * MiB
+    torch.testing.assert_close(got, expected)
+    assert "assembled whole in host memory" in torch_lazymem.explain(print_it=False)
+
+
+def test_a_value_that_cannot_be_split_and_does_not_fit_raises_and_loses_nothing():
+    with simulated_device(4 * MiB):
+        w = torch.ones(2 * MiB, device="lazymem")  # 8 MiB: no batch to split
+        with pytest.raises(torch.OutOfMemoryError, match=r"lazymem: .*aten::fill_.*Nothing was lost") as e:
+            w.sum().item()
+        assert "MiB" in str(e.value)
+        assert torch_lazymem.stats()["pending_nodes"] > 0
+    with simulated_device(16 * MiB):
+        assert w.sum().item() == 2 * MiB
+
+
+def test_a_huge_allocation_is_an_out_of_memory_error_not_a_runtime_error():
+    with pytest.raises(torch.OutOfMemoryError, match="lazymem:.*TiB"):
+        torch.ones(1 << 40, device="lazymem").sum().item()
+    gc.collect()
+
+
+def test_memory_budget_api(monkeypatch):
+    with simulated_device(256 * MiB):
+        assert torch_lazymem.memory_budget() == 256 * MiB
+        torch_lazymem.set_memory_budget("64MiB")
+        try:
+            assert torch_lazymem.memory_budget() == 64 * MiB  # the smaller of the two
+            torch_lazymem.set_memory_budget(512 * MiB)
+            assert torch_lazymem.memory_budget() == 256 * MiB  # never above the device's capacity
+        finally:
+            torch_lazymem.set_memory_budget(None)
+    assert torch_lazymem.memory_budget() > 0  # the host's available memory, minus a margin
+    with pytest.raises(ValueError, match="lazymem:"):
+        torch_lazymem.set_memory_budget("lots")
+    with pytest.raises(TypeError, match="lazymem:"):
+        torch_lazymem.set_memory_budget(1.5)
+
+
+def test_a_budget_below_the_capacity_is_respected():
+    model = mlp().to("lazymem")
+    x, y = batch()
+    with simulated_device(256 * MiB):
+        torch_lazymem.set_memory_budget(20 * MiB)
+        try:
+            torch.lazymem.reset_peak_memory_stats()
+            step(model, torch.optim.SGD(model.parameters(), lr=0.1), x.to("lazymem"), y.to("lazymem"))
+            assert torch_lazymem.stats()["splits"] == 1
+            assert torch.lazymem.max_memory_allocated() <= 20 * MiB
+        finally:
+            torch_lazymem.set_memory_budget(None)
