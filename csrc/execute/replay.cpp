@@ -252,6 +252,11 @@ void replay(const PlannedNode& pn, Binder& binder, torch::jit::Stack& stack) {
     }
     if (i < pn.post_div.size() && pn.post_div[i] != 0) binder.bound_def(pn, i).div_(pn.post_div[i]);
   }
+  if (pn.post_div_written != 0) {
+    for (size_t k = 0; k < n.uses.size(); ++k) {
+      if (n.uses[k].write) binder.use(pn, k).div_(pn.post_div_written);
+    }
+  }
   binder.done(pn);
   stack.clear(); // drop the real views and results now: buffers are released right after their last use
 }

@@ -143,6 +143,7 @@ struct RuleResult {
   c10::SmallVector<ArgRewrite, 2> rewrites;
   c10::SmallVector<Finalize, 2> finalize; // per Output (kNone when not partial)
   c10::SmallVector<double, 2> post_div;   // per Output: divide each chunk's rows by this (0 = none)
+  double post_div_written = 0;            // the same for the written operand (out= forms)
   c10::SmallVector<bool, 2> discard;      // per Output: value not produced by this node when split
   const char* replace_op = nullptr;       // run this overload instead ("aten::sum.dim_IntList")
   bool needs_total_weight = false;        // NLL mean: output 1 is computed by a pre-pass over targets
@@ -164,8 +165,11 @@ struct RuleCall {
   const Place* wanted(size_t out) const {
     return out < want.size() && want[out].kind != Place::kR ? &want[out] : nullptr;
   }
+  // An int argument (concrete SymInts too, as C++ composites pass them).
   int64_t int_arg(size_t i) const {
-    return args[i].toInt();
+    const c10::IValue& v = args[i];
+    if (v.isSymInt()) return v.toSymInt().guard_int(__FILE__, __LINE__);
+    return v.toInt();
   }
 };
 

@@ -122,14 +122,16 @@ bool elementwise_loss(const RuleCall& c, RuleResult& r) {
   if (it == elementwise().end()) return fail(r, "no loss spec");
   const Elementwise& s = it->second;
   if (nothing_batched(c)) return replicated(c, r);
-  if (c.outs.empty()) return fail(r, "an out= loss");
   const int64_t reduction = c.int_arg(s.reduction_arg);
+  // out= forms (the composites call the backward's .grad_input): the written grad is the output.
+  const int64_t out = c.outs.empty() ? written(c) : -1;
+  if (c.outs.empty() && (!s.backward || out < 0)) return fail(r, "an out= loss");
   const int64_t self = c.operand_index(s.backward ? 1 : 0);
   if (self < 0) return fail(r, "no input");
   std::vector<int64_t> aligned;
   for (size_t i = 0; i < c.ins.size(); ++i) {
     if (s.backward && c.ins[i].arg == 0 && reduction != kNone) continue; // a scalar grad_output
-    aligned.push_back(static_cast<int64_t>(i));
+    aligned.push_back(static_cast<int64_t>(i));                          // (the out= grad included)
   }
   auto p = broadcast(c, r, c.ins[self].sizes, nullptr, aligned);
   if (!p) return false;
@@ -143,10 +145,14 @@ bool elementwise_loss(const RuleCall& c, RuleResult& r) {
   }
   const double n = static_cast<double>(numel(c.ins[self].sizes));
   if (s.backward) {
-    r.outs[0] = *p;
+    if (!c.outs.empty()) r.outs[0] = *p;
     if (reduction == kMean) {
       r.rewrites.push_back(ArgRewrite{s.reduction_arg, -1, ArgRewrite::kConst, kSum, 0});
-      r.post_div[0] = n;
+      if (c.outs.empty()) {
+        r.post_div_written = n;
+      } else {
+        r.post_div[0] = n;
+      }
     }
     return true;
   }

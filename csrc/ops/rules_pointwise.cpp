@@ -70,7 +70,7 @@ const bool registered = [] {
                             "aten::masked_fill", "aten::where", "aten::clone", "aten::_copy_from",
                             "aten::lift_fresh_copy", "aten::alias_copy", "aten::detach_copy", "aten::positive",
                             "aten::resolve_conj", "aten::resolve_neg", "aten::_conj_physical", "aten::conj_physical",
-                            "aten::conj_physical_"},
+                            "aten::conj_physical_", "aten::log_sigmoid_forward", "aten::log_sigmoid_backward"},
                            &pointwise);
   return true;
 }();

@@ -26,6 +26,8 @@ struct BufInfo {
   bool needed = false;      // the sync point reads it
   uint32_t p_first = 0;     // P: the versions that are partial (written in a loop)
   uint32_t p_last = 0;
+  bool p_finish = false;    // P whose accumulator is finished by a division (a mean, NLL): its
+                            // partials mean nothing to other ops, which read it finished
 };
 
 // Where a rule's operand comes from: a Use of the node, or a host tensor in its arguments.
@@ -68,6 +70,8 @@ struct Analysis {
   // The placement node->uses[u] sees: S (dim, unit) when its buffer is batch-sharded and the view
   // localizes, R otherwise (a view that does not localize is a gathered whole), P for partials.
   Place use_place(const NodeInfo& ni, size_t u) const;
+  // Whether node->uses[u] reads a version a loop accumulates (finished only when the loop ends).
+  bool reads_partial(const NodeInfo& ni, size_t u) const;
 };
 
 // Builds the analysis over `nodes` (the detached program) with `runs` (schedule order) and live

@@ -99,6 +99,7 @@ bool apply_outcome(Analysis& a, int32_t i) {
       if (b.place.is_s()) return false;
       b.place = o;
       b.p_first = b.p_last = n.defs[j].ref.version;
+      b.p_finish = ni.rr.finalize.size() > j && ni.rr.finalize[j].kind != Finalize::kNone;
     } else if (ni.loop) {
       return false; // a loop node's outputs are batch-sharded or partial
     }
@@ -354,11 +355,18 @@ Place Analysis::use_place(const NodeInfo& ni, size_t u) const {
     return bd ? Place::S(bd->dim, bd->unit) : Place::R();
   }
   if (b.place.is_p()) {
-    // Partial only in the versions written by the loop; a finished value written after is R.
+    // Partial only in the versions written by the loop; a finished value written after is R. A
+    // partial finished by a division is only ever read finished.
     uint32_t v = ni.node->uses[u].ref.version;
-    return v >= b.p_first && v <= b.p_last ? b.place : Place::R();
+    return v >= b.p_first && v <= b.p_last && !b.p_finish ? b.place : Place::R();
   }
   return b.place;
+}
+
+bool Analysis::reads_partial(const NodeInfo& ni, size_t u) const {
+  const BufInfo& b = bufs[ni.use_buf[u]];
+  uint32_t v = ni.node->uses[u].ref.version;
+  return b.place.is_p() && v >= b.p_first && v <= b.p_last;
 }
 
 void evaluate(Analysis& a, int32_t i, const std::vector<Place>& want) {

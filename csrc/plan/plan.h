@@ -76,6 +76,7 @@ struct PlannedNode {
   std::vector<ConstNarrow> consts;
   std::vector<ArgRewrite> rewrites;
   std::vector<double> post_div;     // parallel to defs: divide each chunk's result by this (0: none)
+  double post_div_written = 0;      // ...and the operand it writes (out= forms)
   std::vector<int32_t> accumulate;  // slots whose partial is complete after this node
   std::vector<int32_t> free_slots;  // slots whose chunk-local storage dies after this node
   // Whole stages: buffers whose real data dies after this node.

@@ -376,6 +376,7 @@ class SplitBuilder {
     }
     pn.rewrites.assign(ni.rr.rewrites.begin(), ni.rr.rewrites.end());
     pn.post_div.assign(ni.rr.post_div.begin(), ni.rr.post_div.end());
+    pn.post_div_written = ni.rr.post_div_written;
     pn.placeholder_outputs = op_rules(n.op).placeholder_outputs;
     if (n.random && !ni.rr.no_draws) pn.rng_block = rng_block(ni);
     return pn;

@@ -41,7 +41,7 @@ std::vector<Edge> edges(const Analysis& a) {
         if (it != producer.end()) {
           const NodeInfo& p = a.nodes[it->second];
           // A partial value read as anything but a partial needs it finished: the next stage.
-          const bool finished = m != Mode::kPartial && a.use_place(ni, k).is_p();
+          const bool finished = m != Mode::kPartial && a.reads_partial(ni, k);
           int32_t gap = 0;
           if (p.loop && ni.loop) {
             gap = m == Mode::kWhole || finished ? 2 : 0;

@@ -76,9 +76,13 @@ bool synthesize_total_weight(Analysis& a, int32_t nll) {
   const Node& n = *a.nodes[nll].node;
   const Use* target = use_at(n, 1);
   const Use* weight = use_at(n, 2);
-  if (!target || n.defs.size() < 2 || !n.args[4].isInt()) return false;
-  if (!weight && !n.args[2].isNone()) return false; // a host-constant weight: not expected
-  const int64_t ignore = n.args[4].toInt();
+  if (!target || n.defs.size() < 2) return false;
+  const c10::IValue& w = n.args[2];
+  const bool no_weight = w.isNone() || (w.isTensor() && !w.toTensor().defined());
+  if (!weight && !no_weight) return false; // a host-constant weight: not expected
+  const c10::IValue& ig = n.args[4];
+  if (!ig.isInt() && !(ig.isSymInt() && ig.toSymInt().maybe_as_int())) return false;
+  const int64_t ignore = ig.isInt() ? ig.toInt() : *ig.toSymInt().maybe_as_int();
   const Def& tw = n.defs[1];
   const c10::ScalarType dtype = tw.ref.meta.dtype;
   const c10::IntArrayRef tsizes = target->ref.meta.sizes;
