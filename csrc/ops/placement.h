@@ -148,6 +148,8 @@ struct RuleResult {
   const char* replace_op = nullptr;       // run this overload instead ("aten::sum.dim_IntList")
   bool needs_total_weight = false;        // NLL mean: output 1 is computed by a pre-pass over targets
   bool no_draws = false;                  // tagged random, but this call draws nothing (dropout_p = 0)
+  bool writes_unchanged = false;          // its written operands keep their values in this call (batch
+                                          // norm in eval mode "writes" its running statistics)
   const char* why = nullptr;              // when the rule fails: why the op cannot be split
 };
 

@@ -122,6 +122,7 @@ bool batch_norm(const RuleCall& c, RuleResult& r) {
   auto p = batch_of(c, r, {0}, 1);
   if (!p) return false;
   if (!p->is_s()) return replicated(c, r);
+  r.writes_unchanged = true; // running statistics are updated in training mode only
   // The saved statistics are placeholders in eval mode: every chunk's are the same.
   for (size_t j = 0; j < c.outs.size(); ++j) r.outs[j] = c.outs[j].ret == 0 ? *p : Place::P(Reduce::kNone);
   return true;

@@ -120,7 +120,7 @@ bool apply_outcome(Analysis& a, int32_t i) {
       if (!b.place.is_p()) b.p_first = u.write_version;
       b.place = Place::P(Reduce::kSum);
       b.p_last = u.write_version;
-    } else if (ni.loop) {
+    } else if (ni.loop && !ni.rr.writes_unchanged) {
       return false; // written whole once per chunk
     }
   }
@@ -282,6 +282,8 @@ void sink(Analysis& a) {
       std::optional<RowLayout> layout;
       bool ok = true;
       for (auto [i, k] : rd[bi]) {
+        // In-place producers (div_ on a dropout mask) read it too: they move into the loop with it.
+        if (std::find(producers[bi].begin(), producers[bi].end(), i) != producers[bi].end()) continue;
         const NodeInfo& ni = a.nodes[i];
         const OperandMode& m = ni.rr.ins[k];
         if (!ni.loop || m.mode != Mode::kRows) {
@@ -458,8 +460,9 @@ bool place_batch(Analysis& a, const std::vector<Node*>& nodes, const std::vector
       std::ostringstream os;
       os << "data leaves disagree on the batch size (";
       for (size_t k = 0; k < relevant.size(); ++k) os << (k ? ", " : "") << relevant[k];
-      os << " rows): not split; mark the batch with torch_lazymem.mark_batch(tensor, dim) or exclude a "
-            "leaf with mark_batch(tensor, None)";
+      os << " rows): not split; mark the batch with torch_lazymem.mark_batch(tensor, dim), or exclude a "
+            "tensor that is not data (a weight uploaded before requires_grad_(), a lookup table) with "
+            "mark_batch(tensor, None)";
       a.notes.push_back(os.str());
       stats().batch_conflicts.fetch_add(1, std::memory_order_relaxed);
     } else {

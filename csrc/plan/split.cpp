@@ -420,7 +420,11 @@ class SplitBuilder {
         for (size_t k = 0; k < ni.use_buf.size(); ++k) {
           const int32_t b = ni.use_buf[k];
           if (pn.uses[k].bind == Bind::kWhole || pn.uses[k].bind == Bind::kNarrow) last[b] = {si, st.nodes.size()};
-          if (ni.node->uses[k].write && pn.uses[k].bind == Bind::kNarrow) written[b] = ni.node->uses[k].write_version;
+          // Rows written into full storage; whole writes that leave the value unchanged (eval batch
+          // norm) still make a new version, published when the loop ends.
+          if (ni.node->uses[k].write && (pn.uses[k].bind == Bind::kNarrow || pn.uses[k].bind == Bind::kWhole)) {
+            written[b] = ni.node->uses[k].write_version;
+          }
         }
         for (size_t j = 0; j < ni.def_buf.size(); ++j) {
           if (pn.defs[j].bind == Bind::kNarrow) {

@@ -117,10 +117,11 @@ void mark_batch(const at::Tensor& t, std::optional<int64_t> dim) {
                       " dims");
   LAZYMEM_CHECK_VALUE(t.size(d) >= 2, "mark_batch: dim ", d, " has size ", t.size(d),
                       "; a batch needs at least 2 rows");
-  // The batch is the whole dim: the tensor must cover its storage as [outer][batch][row].
+  // The mark is the storage's: the tensor must cover it exactly, laid out [outer][batch][row].
   const int64_t stride_bytes = t.stride(d) * static_cast<int64_t>(t.element_size());
   const int64_t block = t.size(d) * stride_bytes;
-  LAZYMEM_CHECK_VALUE(stride_bytes > 0 && block > 0 && static_cast<int64_t>(b->nbytes.load()) % block == 0,
+  const bool covers = TensorMeta::of(*t.unsafeGetTensorImpl()).covers(b->nbytes.load());
+  LAZYMEM_CHECK_VALUE(covers && stride_bytes > 0 && block > 0 && static_cast<int64_t>(b->nbytes.load()) % block == 0,
                       "mark_batch: dim ", d, " of this view does not cover its storage's rows (sizes ", t.sizes(),
                       ", strides ", t.strides(), "); mark the tensor the view was taken from");
   Program::get().set_batch_hint(*b, LazyBuffer::BatchHint::kMarked, t.size(d), stride_bytes);

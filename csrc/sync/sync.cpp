@@ -49,15 +49,17 @@ int64_t device_bytes_held() {
 void record_stats(const Plan& plan, const ExecOutcome& out) {
   auto& st = stats();
   if (plan.split) {
-    st.splits.fetch_add(1, std::memory_order_relaxed);
     int64_t loops = 0, chunks = 0;
     for (const Stage& s : plan.stages) {
-      if (!s.loop) continue;
+      if (!s.loop || s.nodes.empty()) continue;
       ++loops;
       chunks = std::max<int64_t>(chunks, s.chunks());
     }
-    st.passes.store(loops, std::memory_order_relaxed);
-    st.chunks.store(chunks, std::memory_order_relaxed);
+    if (loops) { // a plan whose batch-sharded work all stays pending ran no loop
+      st.splits.fetch_add(1, std::memory_order_relaxed);
+      st.passes.store(loops, std::memory_order_relaxed);
+      st.chunks.store(chunks, std::memory_order_relaxed);
+    }
     st.barriers.fetch_add(plan.barriers, std::memory_order_relaxed);
     st.nodes_kept_pending.fetch_add(plan.retained.size(), std::memory_order_relaxed);
   }
