@@ -209,6 +209,20 @@ int64_t MemoryModel::max_chunk(int32_t stage, int64_t batch, int64_t budget) con
   return std::max<int64_t>(c, 0);
 }
 
+int64_t balanced_chunk(int64_t batch, int64_t cmax, int64_t align) {
+  if (cmax >= batch) return batch;
+  if (cmax < 1) return 0;
+  const int64_t n = (batch + cmax - 1) / cmax;
+  int64_t c = (batch + n - 1) / n;
+  const int64_t up = (c + align - 1) / align * align, down = c / align * align;
+  if (up <= cmax) {
+    c = up;
+  } else if (down >= align && (batch + down - 1) / down == n) {
+    c = down; // aligned without an extra chunk
+  }
+  return std::min(c, batch);
+}
+
 std::vector<const MemPoint*> MemoryModel::over(int64_t budget) const {
   std::vector<const MemPoint*> out;
   for (const MemPoint& p : points) {

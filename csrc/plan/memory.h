@@ -39,4 +39,9 @@ struct MemoryModel {
 
 MemoryModel model_memory(const Plan& plan);
 
+// The chunk size for `batch` rows when at most `cmax` fit: the fewest chunks, balanced
+// (ceil(batch / n) rows each), rounded up to a multiple of `align` when that still fits, else down
+// to one when that adds no chunk.
+int64_t balanced_chunk(int64_t batch, int64_t cmax, int64_t align = 8);
+
 } // namespace lazymem

@@ -535,17 +535,7 @@ class SplitBuilder {
           st.chunk = 1;
           continue;
         }
-        const int64_t n = (B + cmax - 1) / cmax;
-        int64_t c = (B + n - 1) / n;
-        if (c < B) {
-          const int64_t up = (c + 7) / 8 * 8, down = c / 8 * 8;
-          if (up <= cmax) {
-            c = up;
-          } else if (down >= 8) {
-            c = down;
-          }
-        }
-        st.chunk = std::min(c, B);
+        st.chunk = balanced_chunk(B, cmax);
       }
       const MemPoint* where = nullptr;
       plan_.predicted_peak = model.peak(plan_, &where);

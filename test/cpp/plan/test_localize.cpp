@@ -1,0 +1,86 @@
+// plan/localize: where the batch sits in a view of a [outer][batch][row] storage, and the view over
+// a chunk (no device).
+#include <gtest/gtest.h>
+
+#include "plan/localize.h"
+
+namespace lazymem {
+namespace {
+
+TensorMeta view(std::vector<int64_t> sizes, std::vector<int64_t> strides, int64_t offset = 0) {
+  TensorMeta m;
+  m.sizes.assign(sizes.begin(), sizes.end());
+  m.strides.assign(strides.begin(), strides.end());
+  m.offset = offset;
+  m.dtype = c10::ScalarType::Float;
+  return m;
+}
+
+// A contiguous (B=10, T=3, H=4) float buffer.
+const RowLayout kBTH{1, 10, 3 * 4 * 4};
+
+TEST(Localize, TheBatchDimOfAContiguousTensor) {
+  auto at = analyze_view(view({10, 3, 4}, {12, 4, 1}), kBTH);
+  ASSERT_TRUE(at);
+  EXPECT_EQ(at->dim, 0);
+  EXPECT_EQ(at->unit, 1);
+  TensorMeta local = localize(view({10, 3, 4}, {12, 4, 1}), kBTH, 4);
+  EXPECT_EQ(local.sizes, (c10::SmallVector<int64_t, 5>{4, 3, 4}));
+  EXPECT_EQ(local.strides, (c10::SmallVector<int64_t, 5>{12, 4, 1}));
+}
+
+TEST(Localize, AFlattenWithTheBatchAsMajorFactorShrinksByItsUnit) {
+  auto at = analyze_view(view({30, 4}, {4, 1}), kBTH); // (B*T, H)
+  ASSERT_TRUE(at);
+  EXPECT_EQ(at->dim, 0);
+  EXPECT_EQ(at->unit, 3);
+  EXPECT_EQ(localize(view({30, 4}, {4, 1}), kBTH, 4).sizes[0], 12);
+}
+
+TEST(Localize, ATransposeKeepsTheBatchInItsNewDim) {
+  auto at = analyze_view(view({3, 10, 4}, {4, 12, 1}), kBTH); // (T, B, H) view of (B, T, H)
+  ASSERT_TRUE(at);
+  EXPECT_EQ(at->dim, 1);
+  TensorMeta local = localize(view({3, 10, 4}, {4, 12, 1}), kBTH, 2);
+  EXPECT_EQ(local.sizes, (c10::SmallVector<int64_t, 5>{3, 2, 4}));
+  EXPECT_EQ(local.strides, (c10::SmallVector<int64_t, 5>{4, 12, 1}));
+}
+
+TEST(Localize, OuterDimsRescaleWithTheChunk) {
+  const RowLayout tbh{3, 10, 4 * 4}; // a contiguous (T=3, B=10, H=4) buffer
+  auto at = analyze_view(view({3, 10, 4}, {40, 4, 1}), tbh);
+  ASSERT_TRUE(at);
+  EXPECT_EQ(at->dim, 1);
+  TensorMeta local = localize(view({2, 10, 4}, {40, 4, 1}, 40), tbh, 5); // from the second block on
+  EXPECT_EQ(local.strides[0], 20);
+  EXPECT_EQ(local.offset, 20);
+  EXPECT_EQ(local.sizes[1], 5);
+}
+
+TEST(Localize, ViewsThatMixRowsDoNotLocalize) {
+  EXPECT_FALSE(analyze_view(view({5, 3, 4}, {12, 4, 1}), kBTH));          // a slice of the batch
+  EXPECT_FALSE(analyze_view(view({3, 4}, {4, 1}, 12), kBTH));             // a select: one row
+  EXPECT_FALSE(analyze_view(view({5, 3, 4}, {24, 4, 1}), kBTH));          // every other row
+  const RowLayout tbh{3, 10, 16};
+  EXPECT_FALSE(analyze_view(view({30, 4}, {4, 1}), tbh));                 // (T*B, H): batch minor
+}
+
+TEST(Localize, LayoutOfADefinedBuffer) {
+  auto l = layout_of(view({10, 3, 4}, {12, 4, 1}), 10 * 12 * 4, BatchDim{0, 1}, 10);
+  ASSERT_TRUE(l);
+  EXPECT_TRUE(*l == kBTH);
+  EXPECT_FALSE(layout_of(view({10, 3, 4}, {12, 4, 1}), 10 * 12 * 4, BatchDim{1, 1}, 10)); // dim 1 is not 10 rows
+  auto t = layout_of(view({3, 10, 4}, {40, 4, 1}), 3 * 40 * 4, BatchDim{1, 1}, 10);
+  ASSERT_TRUE(t);
+  EXPECT_EQ(t->outer, 3);
+  EXPECT_EQ(t->row_bytes, 16);
+}
+
+TEST(Localize, NarrowingTakesTheChunksRows) {
+  TensorMeta n = narrow_rows(view({30, 4}, {4, 1}), 0, 3, 4, 2); // rows 4..5 of (B*T, H), unit 3
+  EXPECT_EQ(n.offset, 4 * 3 * 4);
+  EXPECT_EQ(n.sizes[0], 6);
+}
+
+} // namespace
+} // namespace lazymem

@@ -1,0 +1,186 @@
+// plan/split: split plans of synthetic programs (no device, nothing runs): stages, bindings,
+// partials and their finishes, the targets' total-weight pass, seeds and conflicts, what stays
+// pending, the memory model and the chunk size.
+#include <gtest/gtest.h>
+
+#include "plan/memory.h"
+#include "program_builder.h"
+
+namespace lazymem::testing {
+namespace {
+
+const Stage* only_loop(const Plan& p) {
+  const Stage* loop = nullptr;
+  for (const Stage& st : p.stages) {
+    if (!st.loop) continue;
+    EXPECT_EQ(loop, nullptr) << p.to_string(true);
+    loop = &st;
+  }
+  return loop;
+}
+
+// x (10 x 20) @ w (20 x 5); the batch's sum; a weight gradient x^T y.
+struct Linear {
+  ProgramBuilder b;
+  T x, w, y, s, g;
+  Linear() {
+    x = b.upload({10, 20});
+    w = b.upload({20, 5}, /*module_state=*/true);
+    y = b.op("aten::mm", "", {kNone, kNone}, {{0, x}, {1, w}}, {{10, 5}})[0];
+    s = b.op("aten::sum", "dim_IntList", {kNone, c10::IValue(std::vector<int64_t>{0}), c10::IValue(false), kNone},
+             {{0, y}}, {{5}})[0];
+    g = b.op("aten::mm", "", {kNone, kNone}, {{0, transposed(x)}, {1, y}}, {{20, 5}})[0];
+  }
+};
+
+TEST(SplitPlan, OneLoopOfRowsAndPartials) {
+  Linear l;
+  Plan p = l.b.plan({l.s, l.g}, {l.s, l.g}, /*force_chunks=*/3);
+  ASSERT_TRUE(p.split) << p.to_string();
+  EXPECT_EQ(p.batch, 10);
+  const Stage* loop = only_loop(p);
+  ASSERT_NE(loop, nullptr);
+  EXPECT_EQ(loop->chunk, 4);
+  EXPECT_EQ(loop->chunks(), 3);
+  EXPECT_EQ(loop->accs.size(), 2u); // the batch's sum and the weight gradient
+  for (const Accumulator& a : loop->accs) {
+    EXPECT_EQ(a.reduce, Reduce::kSum);
+    EXPECT_EQ(a.finalize, Finalize::kNone);
+  }
+  // The upload reads only the chunk's rows of its host tensor; y lives chunk by chunk.
+  const PlannedNode& upload = loop->nodes.front();
+  ASSERT_EQ(upload.consts.size(), 1u);
+  EXPECT_EQ(upload.consts[0].dim, 0);
+  const PlannedNode& mm = loop->nodes[1]; // upload of x, mm, sum, mm
+  EXPECT_EQ(mm.uses[0].bind, Bind::kLocal);
+  EXPECT_EQ(mm.uses[1].bind, Bind::kWhole);
+  EXPECT_EQ(mm.defs[0].bind, Bind::kLocal);
+}
+
+TEST(SplitPlan, NothingSplitsWithoutADataLeaf) {
+  ProgramBuilder b;
+  T w = b.upload({10, 4}, /*module_state=*/true);
+  T y = b.op("aten::exp", "", {kNone}, {{0, w}}, {{10, 4}})[0];
+  Plan p = b.plan({y}, {y}, 3);
+  EXPECT_FALSE(p.split);
+  ASSERT_FALSE(p.notes.empty());
+  EXPECT_NE(p.to_string().find("no data leaf"), std::string::npos);
+}
+
+TEST(SplitPlan, LeavesThatDisagreeOnTheBatchDoNotSplit) {
+  ProgramBuilder b;
+  T x = b.upload({10, 4}), z = b.upload({6, 4});
+  T sx = b.op("aten::sum", "", {kNone, kNone}, {{0, x}}, {{}})[0];
+  T sz = b.op("aten::sum", "", {kNone, kNone}, {{0, z}}, {{}})[0];
+  Plan p = b.plan({sx, sz}, {sx, sz}, 3);
+  EXPECT_FALSE(p.split);
+  EXPECT_NE(p.to_string().find("disagree on the batch size (6, 10 rows)"), std::string::npos);
+}
+
+TEST(SplitPlan, AMeanOverTheBatchIsFinishedByTheGlobalCount) {
+  ProgramBuilder b;
+  T x = b.upload({10, 4});
+  T m = b.op("aten::mean", "dim", {kNone, c10::IValue(std::vector<int64_t>{0}), c10::IValue(false), kNone},
+             {{0, x}}, {{4}})[0];
+  Plan p = b.plan({m}, {m}, 3);
+  const Stage* loop = only_loop(p);
+  ASSERT_NE(loop, nullptr);
+  ASSERT_EQ(loop->accs.size(), 1u);
+  EXPECT_EQ(loop->accs[0].finalize, Finalize::kDivConst);
+  EXPECT_EQ(loop->accs[0].divisor, 10.0);
+  EXPECT_EQ(loop->nodes.back().op.operator_name().name, "aten::sum");
+}
+
+TEST(SplitPlan, CrossEntropysTotalWeightComesFromAPassOverTheTargets) {
+  ProgramBuilder b;
+  T x = b.upload({10, 5});
+  T t = b.upload({10}, false, c10::ScalarType::Long);
+  T lp = b.op("aten::_log_softmax", "", {kNone, c10::IValue(int64_t{1}), c10::IValue(false)}, {{0, x}}, {{10, 5}})[0];
+  auto nll = b.op("aten::nll_loss_forward", "",
+                  {kNone, kNone, kNone, c10::IValue(int64_t{1}), c10::IValue(int64_t{-100})}, {{0, lp}, {1, t}}, {{}, {}});
+  T one = b.fill({}, 1.0); // the gradient seed
+  T grad = b.op("aten::nll_loss_backward", "",
+                {kNone, kNone, kNone, kNone, c10::IValue(int64_t{1}), c10::IValue(int64_t{-100}), kNone},
+                {{0, one}, {1, lp}, {2, t}, {6, nll[1]}}, {{10, 5}})[0];
+  T gx = b.op("aten::_log_softmax_backward_data", "",
+              {kNone, kNone, c10::IValue(int64_t{1}), c10::IValue(c10::ScalarType::Double)}, {{0, grad}, {1, lp}},
+              {{10, 5}})[0];
+  T gs = b.op("aten::sum", "dim_IntList", {kNone, c10::IValue(std::vector<int64_t>{0}), c10::IValue(false), kNone},
+              {{0, gx}}, {{5}})[0];
+  Plan p = b.plan({nll[0], gs}, {nll[0], gs}, 2);
+  ASSERT_TRUE(p.split) << p.to_string(true);
+  std::vector<const Stage*> loops;
+  for (const Stage& st : p.stages) {
+    if (st.loop) loops.push_back(&st);
+  }
+  ASSERT_EQ(loops.size(), 2u) << p.to_string(true);
+  // Pass 1: the targets only (ne, sum) into the total weight; pass 2: forward and backward.
+  EXPECT_LE(loops[0]->nodes.size(), 3u) << p.to_string(true);
+  bool divided = false;
+  for (const Accumulator& a : loops[1]->accs) divided = divided || a.finalize == Finalize::kDivOutput;
+  EXPECT_TRUE(divided);
+  EXPECT_FALSE(p.owned.empty()); // the synthesized total-weight nodes
+}
+
+TEST(SplitPlan, SurvivingBatchShardedValuesStayPending) {
+  Linear l;
+  // y survives (autograd holds it) but only s is read: y's producers stay pending.
+  Plan p = l.b.plan({l.y, l.s, l.x}, {l.s}, 3);
+  ASSERT_TRUE(p.split);
+  EXPECT_EQ(p.retained.size(), 2u); // the upload of x and the mm producing y
+}
+
+TEST(SplitPlan, ABatchEqualToTheHiddenSizeFollowsProvenance) {
+  ProgramBuilder b;
+  T x = b.upload({16, 16});
+  T w = b.upload({16, 16}, true);
+  T y = b.op("aten::mm", "", {kNone, kNone}, {{0, x}, {1, w}}, {{16, 16}})[0];
+  Plan p = b.plan({y}, {y}, 2);
+  const Stage* loop = only_loop(p);
+  ASSERT_NE(loop, nullptr);
+  const PlannedNode& mm = loop->nodes.back();
+  EXPECT_EQ(mm.uses[1].bind, Bind::kWhole); // the weight is whole although 16 x 16
+}
+
+TEST(MemoryModel, TheLoopsPeakIsAffineInTheChunkAndFitsTheBudget) {
+  Linear l;
+  Plan p = l.b.plan({l.s, l.g}, {l.s, l.g}, 3);
+  MemoryModel m = model_memory(p);
+  int64_t per_row = 0;
+  for (const MemPoint& pt : m.points) per_row = std::max(per_row, pt.per_row);
+  EXPECT_EQ(per_row, 20 * 8 + 5 * 8); // a row of x and a row of y live together
+  const Stage* loop = only_loop(p);
+  const int32_t s = static_cast<int32_t>(loop - p.stages.data());
+  const int64_t budget = m.peak(p) + 3 * per_row;
+  const int64_t c = m.max_chunk(s, 10, budget);
+  for (const MemPoint& pt : m.points) {
+    if (pt.stage == s) EXPECT_LE(pt.at(c), budget);
+  }
+  bool tight = false;
+  for (const MemPoint& pt : m.points) tight = tight || (pt.stage == s && pt.at(c + 1) > budget);
+  EXPECT_TRUE(tight || c == 10);
+}
+
+TEST(ChunkSize, BalancedAlignedAndTheLargestThatFits) {
+  for (int64_t batch : {1, 7, 8, 10, 64, 100, 1000, 1023}) {
+    for (int64_t cmax = 1; cmax <= batch + 2; ++cmax) {
+      const int64_t c = balanced_chunk(batch, cmax);
+      ASSERT_GE(c, 1);
+      ASSERT_LE(c, std::min(cmax, batch)) << batch << " " << cmax;
+      // the fewest chunks the largest fitting chunk allows
+      const int64_t fewest = (batch + std::min(cmax, batch) - 1) / std::min(cmax, batch);
+      const int64_t n = (batch + c - 1) / c;
+      ASSERT_EQ(n, fewest) << batch << " " << cmax;
+      if (cmax >= batch) ASSERT_EQ(c, batch);
+      // aligned to 8 whenever a multiple of 8 between the balanced size and the limit exists
+      const int64_t balanced = (batch + fewest - 1) / fewest;
+      if ((balanced + 7) / 8 * 8 <= cmax && cmax < batch) ASSERT_EQ(c % 8, 0) << batch << " " << cmax;
+    }
+  }
+  EXPECT_EQ(balanced_chunk(16384, 2348), 2344); // 7 chunks, aligned up
+  EXPECT_EQ(balanced_chunk(16384, 2341), 2341); // aligning would take an 8th chunk
+  EXPECT_EQ(balanced_chunk(10, 4), 4);          // 4, 4, 2
+}
+
+} // namespace
+} // namespace lazymem::testing
