@@ -1,116 +1,138 @@
-"""torch_lazymem demo: a small model runs on the lazymem device and matches eager PyTorch bitwise.
+"""torch_lazymem demo: a training step that runs out of memory in eager PyTorch finishes on lazymem.
 
-Runs a CNN + MLP forward pass on eager CPU and on lazymem (backed by the CPU), checks that every
-output is bitwise equal, and prints what lazymem recorded and ran: ops recorded, nodes executed and
-eliminated, and the device memory it held, on the simulated memory-capped device. Then trains the
-same model for a few steps with an unmodified training loop on both and compares every loss and
-every parameter.
+A GPT-2 language model (transformers, built from a small config, float64) trains with AdamW on a
+batch whose activations need about 300 MiB, on a simulated device of 48 MiB: every byte a GPU would
+hold is counted and an allocation past the capacity raises torch.OutOfMemoryError, as CUDA does.
+
+  1. Eager PyTorch under the same 48 MiB cap runs out of memory.
+  2. The unmodified training loop on lazymem finishes: each step is recorded, planned against the
+     budget, split along the batch into chunks that fit, and its gradients accumulated exactly.
+     The plan it made is printed.
+  3. Its losses and parameters equal an eager run without the cap (float64, at assert_close
+     defaults; the loss itself transformers computes in float32), and the measured peak stays under
+     the capacity, as the memory model predicted before anything ran.
+  4. A batch that fits is not split: the result is bitwise equal to eager.
 """
 
 from __future__ import annotations
 
+import copy
+import sys
 import time
+import warnings
 
 import torch
-import torch.nn as nn
 
 import torch_lazymem
-from torch_lazymem.testing import simulated_device
+from torch_lazymem.testing import eager_max_memory_allocated, memory_cap, simulated_device
+
+MiB = 1024 * 1024
+CAPACITY = 48 * MiB
+BATCH, SEQ, VOCAB = 128, 64, 512
+STEPS = 3
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
-            nn.AdaptiveAvgPool2d(1),
-        )
-        self.head = nn.Sequential(nn.Flatten(), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 10))
+def make_model():
+    import transformers
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x)).log_softmax(-1)
-
-
-def median_time(fn, repeats: int = 5) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[repeats // 2]
-
-
-def main() -> None:
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
-    model = Net().eval()
-    images = torch.randn(64, 3, 32, 32)
+    return transformers.GPT2LMHeadModel(cfg).double()
 
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def train_step(model, opt, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def main() -> int:
+    warnings.simplefilter("ignore")
+    model = make_model()
+    data = batches()
+    print(f"torch {torch.__version__}; GPT-2 ({sum(p.numel() for p in model.parameters()):,} parameters, float64), "
+          f"batch {BATCH} x {SEQ} tokens, AdamW; simulated device of {CAPACITY // MiB} MiB\n")
+
+    # 1. Eager under the cap.
+    eager = copy.deepcopy(model)
+    try:
+        with memory_cap(CAPACITY):
+            train_step(eager, torch.optim.AdamW(eager.parameters(), lr=1e-3), data[0])
+        print("eager: fits (unexpected)")
+        return 1
+    except torch.OutOfMemoryError as e:
+        print(f"eager PyTorch, {CAPACITY // MiB} MiB cap:  torch.OutOfMemoryError: {str(e).splitlines()[0][:96]}")
+
+    # Reference: eager without the cap.
+    eager = copy.deepcopy(model)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3)
+    with memory_cap(1 << 40):
+        t0 = time.perf_counter()
+        expected = [train_step(eager, opt_e, ids) for ids in data]
+        eager_s = (time.perf_counter() - t0) / STEPS
+        eager_peak = eager_max_memory_allocated()
+    print(f"eager PyTorch, no cap:    peak {eager_peak / MiB:.0f} MiB, {eager_s:.2f} s per step\n")
+
+    # 2. lazymem on the simulated device: the same loop.
+    lazy = copy.deepcopy(model).to("lazymem")
+    opt_l = torch.optim.AdamW(lazy.parameters(), lr=1e-3)
+    losses, peaks, plan = [], [], ""
+    with simulated_device(CAPACITY):
+        t0 = time.perf_counter()
+        for step, ids in enumerate(data):
+            torch.lazymem.reset_peak_memory_stats()
+            losses.append(train_step(lazy, opt_l, ids.to("lazymem")))
+            stats = torch_lazymem.stats()
+            peaks.append(torch.lazymem.max_memory_allocated())
+            print(f"lazymem step {step}: loss {losses[-1]:.6f} (eager {expected[step]:.6f}); split into "
+                  f"{stats['chunks']} chunks; peak {peaks[-1] / MiB:.2f} MiB, predicted "
+                  f"{stats['predicted_peak_bytes'] / MiB:.2f} MiB")
+            if step == 0:
+                plan = torch_lazymem.explain(print_it=False)
+        lazy_s = (time.perf_counter() - t0) / STEPS
+        params_equal = True
+        worst = 0.0
+        for p, q in zip(eager.parameters(), lazy.parameters()):
+            q = q.detach().cpu()
+            worst = max(worst, (p.detach() - q).abs().max().item())
+            try:
+                torch.testing.assert_close(q, p.detach())
+            except AssertionError:
+                params_equal = False
+    print(f"\nthe plan of step 0 (torch_lazymem.explain()):\n{plan}")
+    losses_equal = all(abs(a - b) <= 1.3e-6 * abs(b) + 1e-5 for a, b in zip(losses, expected))
+    under = max(peaks) <= CAPACITY
+    print(f"losses equal eager's (float32 loss, its tolerance): {losses_equal}")
+    print(f"every parameter equals eager's after {STEPS} steps (float64, assert_close defaults): {params_equal} "
+          f"(largest difference {worst:.1e})")
+    print(f"peak never above the capacity: {under} ({max(peaks) / MiB:.2f} of {CAPACITY // MiB} MiB); "
+          f"{lazy_s:.2f} s per step (eager without the cap: {eager_s:.2f} s)")
+
+    # 4. What fits is not split: bitwise equal to eager.
+    small = data[0][:4]
+    fit_e = copy.deepcopy(model)
+    fit_l = copy.deepcopy(model).to("lazymem")
     with torch.no_grad():
-        expected = model(images)
-        eager_s = median_time(lambda: model(images))
-
-    lazy_model = Net().eval()
-    lazy_model.load_state_dict(model.state_dict())
-    lazy_model.to("lazymem")
-    x = images.to("lazymem")
-    with torch.no_grad():
-        lazy_model(x).cpu()  # warm-up: the first call of each op imports PyTorch's meta kernels (~1-2 s once)
-    torch_lazymem.reset_stats()
-    capacity = 256 * 1024 * 1024
-    with simulated_device(capacity), torch.no_grad():
-        out = lazy_model(x)  # recorded: nothing runs yet
-        recorded = torch_lazymem.stats()
-        held_before = torch.lazymem.memory_allocated()
-        got = out.cpu()  # sync point: planned, run on the backing device, downloaded
-        stats = torch_lazymem.stats()
-        lazy_s = median_time(lambda: lazy_model(x).cpu())
-    if stats["peak_bytes"] > capacity:
-        raise SystemExit("lazymem went over the simulated device's capacity")
-
-    print(f"torch {torch.__version__}, lazymem backed by {torch_lazymem.backing_device()}")
-    print(f"output {tuple(got.shape)}: bitwise equal to eager CPU: {torch.equal(got, expected)}")
-    print(f"predictions: {got.argmax(-1)[:12].tolist()} ...")
-    print()
-    print(f"  ops recorded before the sync      {recorded['pending_nodes']:>10}")
-    print(f"  device bytes held before the sync {held_before:>10}")
-    print(f"  materializations                  {stats['materializations']:>10}")
-    print(f"  nodes executed                    {stats['nodes_executed']:>10}")
-    print(f"  nodes eliminated (dead code)      {stats['nodes_eliminated']:>10}")
-    print(f"  meta-inference cache hits/misses  {stats['meta_cache_hits']:>5}/{stats['meta_cache_misses']}")
-    print(f"  peak device bytes in the run      {torch_lazymem._C._format_bytes(stats['peak_bytes']):>10}")
-    print(f"  device bytes held after the run   {torch_lazymem._C._format_bytes(torch.lazymem.memory_allocated()):>10}")
-    print(f"  time per forward (median of 5): eager {eager_s * 1e3:.1f} ms, "
-          f"lazymem record + run + download {lazy_s * 1e3:.1f} ms")
-    if not torch.equal(got, expected):
-        raise SystemExit("lazymem result differs from eager")
-    train(model, lazy_model, images)
-
-
-def train(model: nn.Module, lazy_model: nn.Module, images: torch.Tensor, steps: int = 3) -> None:
-    """An unmodified training loop, run on eager CPU and on lazymem."""
-    print("\ntraining (SGD with momentum, BatchNorm in train mode):")
-    labels = torch.randint(0, 10, (images.shape[0],), generator=torch.Generator().manual_seed(1))
-    runs = {}
-    for name, net, x, y in (("eager", model, images, labels),
-                            ("lazymem", lazy_model, images.to("lazymem"), labels.to("lazymem"))):
-        net.train()
-        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-        losses = []
-        for _ in range(steps):
-            opt.zero_grad()
-            loss = nn.functional.nll_loss(net(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        runs[name] = losses
-    same = all(torch.equal(p, q.cpu()) for p, q in zip(model.parameters(), lazy_model.parameters()))
-    for step, (a, b) in enumerate(zip(runs["eager"], runs["lazymem"])):
-        print(f"  step {step}: loss eager {a:.6f}  lazymem {b:.6f}  {'equal' if a == b else 'DIFFERENT'}")
-    print(f"  every parameter bitwise equal after training: {same}")
-    if not same or runs["eager"] != runs["lazymem"]:
-        raise SystemExit("lazymem training differs from eager")
+        ref = fit_e(input_ids=small).logits
+        with simulated_device(CAPACITY):
+            got = fit_l(input_ids=small.to("lazymem")).logits.cpu()
+            unsplit = torch_lazymem.stats()["splits"] == 0 or "unsplit" in torch_lazymem.explain(print_it=False)
+    bitwise = torch.equal(got, ref)
+    print(f"a batch of 4 fits: not split ({unsplit}), logits bitwise equal to eager: {bitwise}")
+    ok = losses_equal and params_equal and under and bitwise and unsplit
+    if not ok:
+        print("DEMO FAILED")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,6 +1,7 @@
 // execute: the plan walker.
 #include "execute/executor.h"
 
+#include <cstdio>
 #include <optional>
 
 #include <ATen/core/stack.h>
@@ -71,7 +72,18 @@ class Walker {
       if (counting_) device_counter().reset_node_peak();
       replay(pn, binder, stack_);
       ++out_.executed;
-      if (counting_) learn(pn, rows);
+      if (counting_) {
+        learn(pn, rows);
+        if (config().debug >= 3) {
+          std::fprintf(stderr, "[lazymem]   %s rows %lld: measured %lld, predicted %lld\n", n.name(),
+                       static_cast<long long>(rows), static_cast<long long>(device_counter().node_peak()),
+                       static_cast<long long>(pn.predicted));
+        }
+        if (device_counter().node_peak() > node_peak_) {
+          node_peak_ = device_counter().node_peak();
+          out_.peak_node = &n;
+        }
+      }
     } catch (const c10::OutOfMemoryError&) {
       stack_.clear();
       out_.oom = std::current_exception();
@@ -134,6 +146,11 @@ class Walker {
         for (int32_t slot : pn.free_slots) binder.free_slot(slot);
       }
       binder.end_chunk();
+      if (config().debug >= 3) {
+        std::fprintf(stderr, "[lazymem]   chunk at row %lld done: %lld bytes allocated, %lld held by buffers\n",
+                     static_cast<long long>(start), static_cast<long long>(device_counter().allocated()),
+                     static_cast<long long>(resident_bytes()));
+      }
     }
     for (const Accumulator& a : st.accs) {
       LazyBuffer& b = *a.buf;
@@ -165,6 +182,7 @@ class Walker {
   ExecOutcome out_;
   torch::jit::Stack stack_;
   const bool counting_ = backing_device().is_cpu(); // the counting allocator sees every byte
+  int64_t node_peak_ = 0;
 };
 
 } // namespace

@@ -26,6 +26,7 @@ struct ExecOutcome {
   size_t stage = 0;                  // with oom: the stage that did not complete...
   size_t node = 0;                   // ...and, for a whole stage, its first node that did not run
   int64_t peak = 0;                  // device bytes at the peak
+  const Node* peak_node = nullptr;   // the node running when it happened (nullptr: between nodes)
 };
 
 // Runs `plan`. The caller holds the flush lock.

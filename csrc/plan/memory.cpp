@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <unordered_map>
 
 #include "plan/workspace.h"
 
@@ -120,8 +121,10 @@ class Simulator {
         for (size_t i = 0; i < n.uses.size(); ++i) {
           const Bound& bd = pn.uses[i];
           if (bd.bind == Bind::kLocal || bd.bind == Bind::kPartial) {
-            if (!live[bd.slot]) out += slot_bytes(bd.slot);
-            live[bd.slot] = 1;
+            if (!live[bd.slot]) {
+              out += slot_bytes(bd.slot);
+              live[bd.slot] = 1;
+            }
           } else if (bd.bind == Bind::kWhole) {
             out.bytes += touch(n.uses[i].ref.buf.get(), n.uses[i].ref.meta.extent_bytes());
           }
@@ -130,8 +133,10 @@ class Simulator {
           const Bound& bd = pn.defs[i];
           const TensorMeta& m = n.defs[i].ref.meta;
           if (bd.bind == Bind::kLocal || bd.bind == Bind::kPartial) {
-            if (!live[bd.slot]) out += slot_bytes(bd.slot);
-            live[bd.slot] = 1;
+            if (!live[bd.slot]) {
+              out += slot_bytes(bd.slot);
+              live[bd.slot] = 1;
+            }
           } else if (bd.bind == Bind::kNarrow || bd.bind == Bind::kDiscard) {
             // The kernel's own output lives until it is copied into place (or dropped).
             int64_t row = bytes_per_row(m, bd, st.batch);
@@ -207,6 +212,18 @@ int64_t MemoryModel::max_chunk(int32_t stage, int64_t batch, int64_t budget) con
     if (p.per_row > 0) c = std::min(c, (budget - p.bytes) / p.per_row);
   }
   return std::max<int64_t>(c, 0);
+}
+
+void MemoryModel::annotate(Plan& plan) const {
+  std::unordered_map<const Node*, int64_t> at;
+  for (const MemPoint& p : points) {
+    int64_t v = p.at(p.loop ? plan.stages[p.stage].chunk : 0);
+    int64_t& best = at[p.node];
+    best = std::max(best, v);
+  }
+  for (Stage& st : plan.stages) {
+    for (PlannedNode& pn : st.nodes) pn.predicted = at[pn.node];
+  }
 }
 
 int64_t balanced_chunk(int64_t batch, int64_t cmax, int64_t align) {

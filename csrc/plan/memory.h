@@ -35,6 +35,8 @@ struct MemoryModel {
   int64_t max_chunk(int32_t stage, int64_t batch, int64_t budget) const;
   // Whole-stage points above `budget` (values that cannot be split and do not fit).
   std::vector<const MemPoint*> over(int64_t budget) const;
+  // Records each node's predicted bytes (at its stage's chunk size) in the plan.
+  void annotate(Plan& plan) const;
 };
 
 MemoryModel model_memory(const Plan& plan);

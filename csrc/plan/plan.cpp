@@ -1,6 +1,7 @@
 // plan: the planner's entry point and the Plan's text form.
 #include "plan/planner.h"
 
+#include <algorithm>
 #include <sstream>
 
 #include "core/config.h"
@@ -42,6 +43,7 @@ Plan make_plan(const PlanInput& in) {
   MemoryModel model = model_memory(plan);
   const MemPoint* at = nullptr;
   plan.predicted_peak = model.peak(plan, &at);
+  if (config().debug >= 3) model.annotate(plan);
   const bool over = in.budget >= 0 && plan.predicted_peak > in.budget;
   if (!over && in.force_chunks <= 0) return plan; // fits: exactly eager's kernels in program order
   if (over && at && at->node) {
@@ -117,18 +119,43 @@ std::string Plan::to_string(bool nodes) const {
     } else {
       os << "  stage " << i << ": pass over " << st.batch << " rows in " << st.chunks() << " chunks of " << st.chunk
          << ", " << st.nodes.size() << " nodes\n";
+      // Chunk-local values: every one with `nodes`, else the largest and a total.
+      std::vector<const Slot*> local, partial;
+      int64_t per_chunk = 0;
       for (const Slot& sl : st.slots) {
         if (sl.store == Store::kLocal) {
-          os << "    b" << sl.buf->id << " batch-sharded, chunk-local: " << format_bytes(sl.layout.bytes(st.chunk))
-             << " per chunk\n";
+          local.push_back(&sl);
+          per_chunk += sl.layout.bytes(st.chunk);
         } else {
-          const Accumulator& a = st.accs[sl.acc];
-          os << "    b" << sl.buf->id << " partial P(" << reduce_name(a.reduce) << "), " << format_bytes(sl.bytes)
-             << " accumulated";
-          if (a.finalize == Finalize::kDivConst) os << ", then divided by " << a.divisor;
-          if (a.finalize == Finalize::kDivOutput) os << ", then divided by b" << a.divide_by->id;
-          os << "\n";
+          partial.push_back(&sl);
         }
+      }
+      std::sort(local.begin(), local.end(), [&](const Slot* a, const Slot* b) {
+        return a->layout.bytes(st.chunk) > b->layout.bytes(st.chunk);
+      });
+      const size_t show = nodes ? local.size() : std::min<size_t>(local.size(), 3);
+      if (!local.empty()) {
+        os << "    " << local.size() << " batch-sharded values chunk-local, " << format_bytes(per_chunk)
+           << " per chunk if all were live; largest:";
+        for (size_t k = 0; k < show; ++k) {
+          os << (k ? "," : "") << " b" << local[k]->buf->id << " " << format_bytes(local[k]->layout.bytes(st.chunk));
+        }
+        os << "\n";
+      }
+      int64_t acc_bytes = 0;
+      for (const Slot* sl : partial) acc_bytes += sl->bytes;
+      if (!partial.empty()) {
+        os << "    " << partial.size() << " partials accumulated (" << format_bytes(acc_bytes) << ")";
+        os << (nodes ? ":" : "") << "\n";
+      }
+      for (const Slot* sl : partial) {
+        const Accumulator& a = st.accs[sl->acc];
+        const bool finished = a.finalize != Finalize::kNone;
+        if (!nodes && !finished) continue; // plain sums are listed at debug level 2
+        os << "      b" << sl->buf->id << " P(" << reduce_name(a.reduce) << ") " << format_bytes(sl->bytes);
+        if (a.finalize == Finalize::kDivConst) os << ", then divided by " << a.divisor;
+        if (a.finalize == Finalize::kDivOutput) os << ", then divided by b" << a.divide_by->id;
+        os << "\n";
       }
       for (const FullStore& f : st.stores) {
         os << "    b" << f.buf->id << " batch-sharded, assembled whole in " << (f.host ? "host memory" : "device memory")

@@ -82,6 +82,7 @@ struct PlannedNode {
   // Whole stages: buffers whose real data dies after this node.
   std::vector<LazyBuffer*> release;
   bool placeholder_outputs = false; // outputs whose shapes the kernel may not match (BN placeholders)
+  int64_t predicted = 0;            // the memory model's device bytes while it runs (LAZYMEM_DEBUG=3)
   uint32_t rng_block = 0;           // > 0: random draws keyed by blocks of this many batch rows
 
   PlannedNode(Node* n, int32_t i) : node(n), index(i), op(n->op) {}

@@ -539,6 +539,7 @@ class SplitBuilder {
       }
       const MemPoint* where = nullptr;
       plan_.predicted_peak = model.peak(plan_, &where);
+      model.annotate(plan_);
       if (ok && (forced > 0 || in_.budget < 0 || plan_.predicted_peak <= in_.budget)) return true;
       // Results and surviving values assembled on the device do not fit: the largest goes to host
       // memory (a result larger than the budget is assembled there and downloaded from there).

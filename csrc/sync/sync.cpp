@@ -94,11 +94,12 @@ size_t put_back(Segment& seg, const Plan& plan, const ExecOutcome& out) {
 }
 
 // The plan and what was measured, as torch_lazymem.explain() prints it.
-void remember(const Plan& plan, const ExecOutcome& out, double ms) {
+void remember(const Plan& plan, const ExecOutcome& out, double ms, double plan_ms) {
   std::string text = plan.to_string();
   text += "  measured peak " + format_bytes(out.peak) + " (predicted " + format_bytes(plan.predicted_peak) + ")";
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), ", %.2f ms\n", ms);
+  if (out.peak_node) text += " at " + out.peak_node->describe();
+  char buf[96];
+  std::snprintf(buf, sizeof(buf), ", %.2f ms (planning %.2f ms)\n", ms, plan_ms);
   text += buf;
   std::lock_guard<std::mutex> lock(g_explain_mu);
   g_explain = std::move(text);
@@ -117,12 +118,17 @@ void run_segment(Segment& seg, const SyncRequest& req) {
   in.force_chunks = config().force_chunks.load(std::memory_order_relaxed);
   const auto t0 = std::chrono::steady_clock::now();
   Plan plan = make_plan(in);
+  const auto planned = std::chrono::steady_clock::now();
+  stats().plan_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(planned - t0).count(),
+                            std::memory_order_relaxed);
+  stats().nodes_planned.fetch_add(in.nodes.size(), std::memory_order_relaxed);
   if (config().debug >= 2) std::fprintf(stderr, "[lazymem] %s", plan.to_string(/*nodes=*/true).c_str());
   ExecOutcome out = execute(plan);
   record_stats(plan, out);
   size_t pending = put_back(seg, plan, out);
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  remember(plan, out, ms);
+  const double plan_ms = std::chrono::duration<double, std::milli>(planned - t0).count();
+  remember(plan, out, ms, plan_ms);
   if (config().debug == 1 && plan.split) std::fprintf(stderr, "[lazymem] %s", plan.to_string().c_str());
   if (config().debug) {
     std::fprintf(stderr, "[lazymem] materialized: %zu nodes run, %zu eliminated, peak %s (predicted %s), %.2f ms\n",

@@ -129,7 +129,7 @@ def test_explain_and_stats_describe_the_split():
         loss.item()
     text = torch_lazymem.explain(print_it=False)
     for part in ("split plan", "split along a batch of 40 rows", "pass over 40 rows in 3 chunks of 14",
-                 "chunk-local", "partial P(+)", "then divided by", "predicted peak", "measured peak"):
+                 "chunk-local", "partials accumulated", "then divided by", "predicted peak", "measured peak"):
         assert part in text, (part, text)
     stats = torch_lazymem.stats()
     for key in ("splits", "chunks", "passes", "predicted_peak_bytes", "barriers"):
