@@ -37,6 +37,7 @@ std::map<std::string, int64_t> Stats::snapshot() const {
       {"batch_conflicts", ld(batch_conflicts)},
       {"nodes_kept_pending", ld(nodes_kept_pending)},
       {"random_row_keyed", ld(random_row_keyed)},
+      {"oom_retries", ld(oom_retries)},
       {"plan_ns", ld(plan_ns)},
       {"nodes_planned", ld(nodes_planned)},
   };
@@ -62,6 +63,7 @@ void Stats::reset() {
   batch_conflicts = 0;
   nodes_kept_pending = 0;
   random_row_keyed = 0;
+  oom_retries = 0;
   plan_ns = 0;
   nodes_planned = 0;
 }

@@ -31,6 +31,7 @@ struct Stats {
   std::atomic<uint64_t> batch_conflicts{0};  // materializations whose data leaves disagree on the batch
   std::atomic<uint64_t> nodes_kept_pending{0}; // nodes a split left pending (recomputed when needed)
   std::atomic<uint64_t> random_row_keyed{0}; // random node runs whose draws are keyed by batch rows
+  std::atomic<uint64_t> oom_retries{0};      // plans made again after an out-of-memory error taught the model
   std::atomic<uint64_t> plan_ns{0};          // time spent planning (make_plan), summed
   std::atomic<uint64_t> nodes_planned{0};    // nodes given to the planner, summed
   std::map<std::string, int64_t> snapshot() const;

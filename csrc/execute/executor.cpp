@@ -1,6 +1,7 @@
 // execute: the plan walker.
 #include "execute/executor.h"
 
+#include <atomic>
 #include <cstdio>
 #include <optional>
 
@@ -43,9 +44,13 @@ c10::Storage allocate_host(size_t nbytes) {
   return c10::Storage(c10::Storage::use_byte_size_t(), nbytes, c10::GetCPUAllocator(), /*resizable=*/false);
 }
 
+std::atomic<uint64_t> g_epochs{0};
+
 class Walker {
  public:
-  explicit Walker(const Plan& plan) : plan_(plan) {}
+  explicit Walker(const Plan& plan) : plan_(plan) {
+    out_.epoch = g_epochs.fetch_add(1, std::memory_order_relaxed) + 1;
+  }
 
   ExecOutcome run() {
     for (LazyBuffer* b : plan_.release_unused) b->drop_real();
@@ -68,10 +73,15 @@ class Walker {
       poison_outputs(n, poison);
       return true;
     }
+    if (out_.restartable) check_restartable(pn);
     try {
-      if (counting_) device_counter().reset_node_peak();
+      if (counting_) {
+        device_counter().reset_node_peak();
+        node_start_ = device_counter().allocated();
+      }
       replay(pn, binder, stack_);
       ++out_.executed;
+      stamp_writes(n);
       if (counting_) {
         learn(pn, rows);
         if (config().debug >= 3) {
@@ -88,6 +98,7 @@ class Walker {
       stack_.clear();
       out_.oom = std::current_exception();
       out_.oom_site = n.describe();
+      if (counting_) out_.oom_learned = learn_from_failure(pn, binder, rows);
       return false;
     } catch (const std::exception& e) {
       stack_.clear();
@@ -104,6 +115,37 @@ class Walker {
     if (ws > 0) Workspace::get().observe(workspace_key(pn), &pn.op.schema(), rows, ws);
   }
 
+  // Whether running `pn` keeps the execution restartable (ExecOutcome::restartable).
+  void check_restartable(const PlannedNode& pn) {
+    const Node& n = *pn.node;
+    auto older = [&](const LazyBuffer& b) { return b.has_real() && b.exec_epoch != out_.epoch; };
+    bool ok = !n.effectful && !(n.random && pn.rng_block == 0 && !n.row_keyed);
+    for (const Def& d : n.defs) ok = ok && !older(*d.ref.buf);
+    for (const Use& u : n.uses) ok = ok && !(u.write && older(*u.ref.buf));
+    out_.restartable = ok;
+  }
+
+  void stamp_writes(const Node& n) {
+    for (const Def& d : n.defs) d.ref.buf->exec_epoch = out_.epoch;
+    for (const Use& u : n.uses) {
+      if (u.write) u.ref.buf->exec_epoch = out_.epoch;
+    }
+  }
+
+  // After a refused allocation: the node tried to hold its outputs plus at least this much beyond
+  // them (the kernel's transients are freed by now). Learned as a lower bound of its workspace, so a
+  // new plan of the same program accounts for it. True if that is more than was known.
+  bool learn_from_failure(const PlannedNode& pn, const Binder& binder, int64_t rows) {
+    int64_t outputs = 0;
+    for (size_t i = 0; i < pn.node->defs.size(); ++i) {
+      if (pn.defs.empty() || pn.defs[i].bind != Bind::kDiscard) {
+        outputs += static_cast<int64_t>(binder.def_meta(pn, i).extent_bytes());
+      }
+    }
+    const int64_t ws = device_counter().node_peak() - node_start_ - outputs;
+    return ws > 0 && Workspace::get().observe(workspace_key(pn), &pn.op.schema(), rows, ws);
+  }
+
   bool run_whole(const Stage& st, size_t s) {
     Binder binder(st);
     for (size_t p = 0; p < st.nodes.size(); ++p) {
@@ -112,9 +154,15 @@ class Walker {
         out_.node = p;
         return false;
       }
-      for (LazyBuffer* b : pn.release) b->drop_real();
+      for (LazyBuffer* b : pn.release) release(b);
     }
     return true;
+  }
+
+  // Frees a buffer after its last use; one this execution did not write cannot be brought back.
+  void release(LazyBuffer* b) {
+    if (b->has_real() && b->exec_epoch != out_.epoch) out_.restartable = false;
+    b->drop_real();
   }
 
   bool run_loop(const Stage& st) {
@@ -123,6 +171,7 @@ class Walker {
       size_t n = f.buf->nbytes.load();
       try {
         f.buf->set_real(f.host ? allocate_host(n) : allocate_real(n), f.host);
+        f.buf->exec_epoch = out_.epoch;
       } catch (const c10::OutOfMemoryError&) {
         out_.oom = std::current_exception();
         out_.oom_site = "the storage assembling b" + std::to_string(f.buf->id) + " (" + format_bytes(n) + ")";
@@ -154,6 +203,7 @@ class Walker {
     }
     for (const Accumulator& a : st.accs) {
       LazyBuffer& b = *a.buf;
+      b.exec_epoch = out_.epoch;
       if (b.poison || !b.has_real()) continue;
       try {
         if (a.finalize == Finalize::kDivConst) {
@@ -168,7 +218,7 @@ class Walker {
       b.real_version = a.version;
     }
     for (const auto& [b, version] : st.written) b->real_version = version;
-    for (LazyBuffer* b : st.release_after) b->drop_real();
+    for (LazyBuffer* b : st.release_after) release(b);
     return true;
   }
 
@@ -183,6 +233,7 @@ class Walker {
   torch::jit::Stack stack_;
   const bool counting_ = backing_device().is_cpu(); // the counting allocator sees every byte
   int64_t node_peak_ = 0;
+  int64_t node_start_ = 0; // device bytes allocated when the running node started
 };
 
 } // namespace

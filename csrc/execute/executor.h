@@ -25,6 +25,12 @@ struct ExecOutcome {
   std::string oom_site;              // the node whose allocation failed
   size_t stage = 0;                  // with oom: the stage that did not complete...
   size_t node = 0;                   // ...and, for a whole stage, its first node that did not run
+  bool oom_learned = false;          // with oom: the failing node's workspace was more than known
+  // With oom: every completed node only wrote buffers this execution created (stamped `epoch`) and
+  // drew no random numbers from a generator's stream, so dropping those buffers and running the
+  // whole program again is the same as never having run it.
+  bool restartable = true;
+  uint64_t epoch = 0;
   int64_t peak = 0;                  // device bytes at the peak
   const Node* peak_node = nullptr;   // the node running when it happened (nullptr: between nodes)
 };

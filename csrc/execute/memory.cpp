@@ -31,6 +31,9 @@ void MemoryCounter::charge(size_t n) {
   int64_t cap = capacity_.load(std::memory_order_relaxed);
   if (cap >= 0 && now > cap) {
     allocated_.fetch_sub(bytes, std::memory_order_relaxed);
+    // The node peak includes the refused request: what the node tried to hold, for learning.
+    int64_t q = node_peak_.load(std::memory_order_relaxed);
+    while (now > q && !node_peak_.compare_exchange_weak(q, now)) {}
     TORCH_CHECK_WITH(OutOfMemoryError, false, "lazymem: ", name_, " out of memory. Tried to allocate ",
                      format_bytes(bytes), "; capacity ", format_bytes(cap), ", of which ",
                      format_bytes(now - bytes), " is already allocated.");

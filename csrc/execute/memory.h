@@ -26,6 +26,7 @@ class MemoryCounter {
   void reset_peak() { peak_.store(allocated()); }
   void reset_window_peak() { window_peak_.store(allocated()); }
   // The peak since the last reset_node_peak(): the executor measures each node's transient bytes.
+  // A refused allocation counts (allocated + its size): what the node tried to hold.
   int64_t node_peak() const { return node_peak_.load(std::memory_order_relaxed); }
   void reset_node_peak() { node_peak_.store(allocated(), std::memory_order_relaxed); }
   const char* name() const { return name_; }

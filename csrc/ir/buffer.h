@@ -50,6 +50,7 @@ struct LazyBuffer : c10::intrusive_ptr_target {
   bool real_on_host = false;     // ...or in host memory (a split result larger than the budget)
   uint32_t real_version = 0;
   std::exception_ptr poison;     // set when the node that should have written it failed
+  uint64_t exec_epoch = 0;       // the execution that last wrote its real data (see ExecOutcome)
 
   bool has_real() const {
     return static_cast<bool>(real);

@@ -56,14 +56,15 @@ bool Workspace::known_op(const c10::FunctionSchema* op) const {
   return ops_.count(op) > 0;
 }
 
-void Workspace::observe(uint64_t key, const c10::FunctionSchema* op, int64_t rows, int64_t bytes) {
+bool Workspace::observe(uint64_t key, const c10::FunctionSchema* op, int64_t rows, int64_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   ops_.insert(op);
   Seen& s = seen_[key];
   for (int i = 0; i < 2; ++i) {
     if (s.rows[i] == rows) {
+      const bool grew = bytes > s.bytes[i];
       s.bytes[i] = std::max(s.bytes[i], bytes);
-      return;
+      return grew;
     }
   }
   // Keep the two most recent distinct row counts.
@@ -71,6 +72,7 @@ void Workspace::observe(uint64_t key, const c10::FunctionSchema* op, int64_t row
   s.bytes[1] = s.bytes[0];
   s.rows[0] = rows;
   s.bytes[0] = bytes;
+  return true;
 }
 
 Workspace::Affine Workspace::predict(uint64_t key) const {

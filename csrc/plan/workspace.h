@@ -21,7 +21,8 @@ class Workspace {
 
   // Whether any run of `op` ever needed workspace (a fast check before computing keys).
   bool known_op(const c10::FunctionSchema* op) const;
-  void observe(uint64_t key, const c10::FunctionSchema* op, int64_t rows, int64_t bytes);
+  // Records `bytes` of workspace at `rows`; true if that raised what is known there.
+  bool observe(uint64_t key, const c10::FunctionSchema* op, int64_t rows, int64_t bytes);
   struct Affine {
     int64_t alpha = 0;
     int64_t beta = 0;

@@ -93,6 +93,25 @@ size_t put_back(Segment& seg, const Plan& plan, const ExecOutcome& out) {
   return back.size();
 }
 
+// Undoes an execution that ran out of memory and was restartable: drops what it wrote and puts
+// every node of the segment back, so the next plan starts from the same state as this one did.
+size_t put_back_all(Segment& seg, uint64_t epoch) {
+  std::vector<NodePtr> nodes;
+  nodes.reserve(seg.nodes.size());
+  for (NodePtr& n : seg.nodes) {
+    for (const Def& d : n->defs) {
+      if (d.ref.buf->exec_epoch == epoch) d.ref.buf->drop_real();
+    }
+    for (const Use& u : n->uses) {
+      if (u.write && u.ref.buf->exec_epoch == epoch) u.ref.buf->drop_real();
+    }
+    nodes.push_back(std::move(n));
+  }
+  const size_t count = nodes.size();
+  Program::get().restore_prefix(std::move(nodes));
+  return count;
+}
+
 // The plan and what was measured, as torch_lazymem.explain() prints it.
 void remember(const Plan& plan, const ExecOutcome& out, double ms, double plan_ms) {
   std::string text = plan.to_string();
@@ -105,8 +124,10 @@ void remember(const Plan& plan, const ExecOutcome& out, double ms, double plan_m
   g_explain = std::move(text);
 }
 
-// Plans and runs a detached segment. Caller holds the flush lock.
-void run_segment(Segment& seg, const SyncRequest& req) {
+// Plans and runs a detached segment. Caller holds the flush lock. Returns true when it ran out of
+// memory because a kernel needed more workspace than the memory model knew: everything not done is
+// pending again and a new plan, which now knows it, may fit (`may_retry`; otherwise it raises).
+bool run_segment(Segment& seg, const SyncRequest& req, bool may_retry) {
   PlanInput in;
   in.nodes.reserve(seg.nodes.size());
   for (const auto& n : seg.nodes) in.nodes.push_back(n.get());
@@ -125,7 +146,11 @@ void run_segment(Segment& seg, const SyncRequest& req) {
   if (config().debug >= 2) std::fprintf(stderr, "[lazymem] %s", plan.to_string(/*nodes=*/true).c_str());
   ExecOutcome out = execute(plan);
   record_stats(plan, out);
-  size_t pending = put_back(seg, plan, out);
+  // Out of memory because a kernel needed more workspace than known: a new plan knows it now. From
+  // the start when nothing irreversible ran (the leaves are still there to split by), else from
+  // where it stopped.
+  const bool retry = out.oom && out.oom_learned && may_retry;
+  size_t pending = retry && out.restartable ? put_back_all(seg, out.epoch) : put_back(seg, plan, out);
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   const double plan_ms = std::chrono::duration<double, std::milli>(planned - t0).count();
   remember(plan, out, ms, plan_ms);
@@ -134,6 +159,13 @@ void run_segment(Segment& seg, const SyncRequest& req) {
     std::fprintf(stderr, "[lazymem] materialized: %zu nodes run, %zu eliminated, peak %s (predicted %s), %.2f ms\n",
                  out.executed, plan.eliminated, format_bytes(out.peak).c_str(),
                  format_bytes(plan.predicted_peak).c_str(), ms);
+  }
+  if (retry) {
+    if (config().debug) {
+      std::fprintf(stderr, "[lazymem] out of memory at %s: its workspace was larger than known; planning again %s\n",
+                   out.oom_site.c_str(), out.restartable ? "from the start" : "from there");
+    }
+    return true;
   }
   if (out.oom) {
     std::string why;
@@ -151,7 +183,12 @@ void run_segment(Segment& seg, const SyncRequest& req) {
   // A read raises only its own values' errors (materialize checks them); flushes that need
   // everything (synchronize, auto-flush, generator state) raise the first one.
   if (out.first_error && req.needed.empty()) std::rethrow_exception(out.first_error);
+  return false;
 }
+
+// Plans made again after a kernel's workspace turned out larger than known, per sync. Each one
+// learns at least the refused allocation, so a few suffice; the chunk-level retry is finer.
+constexpr int kMaxReplans = 4;
 
 } // namespace
 
@@ -161,9 +198,12 @@ void sync(const SyncRequest& req) {
                 "this thread (for example from a kernel or a hook run during replay); this is not supported");
   std::lock_guard<std::mutex> lock(g_flush_mu);
   InFlush guard;
-  Segment seg = Program::get().take_prefix(req.upto);
-  if (seg.nodes.empty()) return;
-  run_segment(seg, req);
+  for (int attempt = 0;; ++attempt) {
+    Segment seg = Program::get().take_prefix(req.upto);
+    if (seg.nodes.empty()) return;
+    if (!run_segment(seg, req, attempt < kMaxReplans)) return;
+    stats().oom_retries.fetch_add(1, std::memory_order_relaxed);
+  }
 }
 
 void flush_until_seq(uint64_t upto) {

@@ -155,3 +155,37 @@ def test_a_budget_below_the_capacity_is_respected():
             assert torch.lazymem.max_memory_allocated() <= 20 * MiB
         finally:
             torch_lazymem.set_memory_budget(None)
+
+
+def test_a_workspace_larger_than_known_is_learned_and_the_program_planned_again():
+    """The fused encoder layer's kernel holds several times its output in temporaries, which the
+    memory model cannot know before the op first runs on these shapes: the first plan runs out of
+    memory, learns a bound of the workspace from the refused allocation, and the program is planned
+    again from the start (nothing it did is kept), split this time. The read succeeds, within the
+    capacity, equal to eager."""
+    cap = 32 * MiB
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=256, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).double().eval()
+    x = torch.randn(196, 64, 64, dtype=torch.float64)
+    with torch.no_grad():
+        with pytest.raises(torch.OutOfMemoryError), memory_cap(cap):
+            copy.deepcopy(model)(x.clone())
+        expected = model(x)
+        lazy = copy.deepcopy(model).to("lazymem")
+        torch_lazymem._C._clear_workspace()
+        with simulated_device(cap):
+            torch.lazymem.synchronize()
+            torch.lazymem.reset_peak_memory_stats()
+            torch_lazymem.reset_stats()
+            got = lazy(x.to("lazymem")).cpu()
+            assert torch.lazymem.max_memory_allocated() <= cap
+    stats = torch_lazymem.stats()
+    assert stats["oom_retries"] >= 1 and stats["splits"] >= 1, stats
+    torch.testing.assert_close(got, expected)
+    # Known now: the same read plans it right the first time.
+    with torch.no_grad(), simulated_device(cap):
+        torch_lazymem.reset_stats()
+        again = lazy(x.to("lazymem")).cpu()
+    assert torch_lazymem.stats()["oom_retries"] == 0
+    torch.testing.assert_close(again, expected)
