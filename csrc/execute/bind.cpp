@@ -3,6 +3,7 @@
 
 #include <cstdio>
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/maximum.h>
 #include <ATen/ops/minimum.h>
 
@@ -103,6 +104,13 @@ at::Tensor Binder::use(const PlannedNode& pn, size_t i) {
       return slot_view(bd->slot, u.ref.meta, true);
     case Bind::kNarrow:
       LAZYMEM_INTERNAL_ASSERT(b.has_real(), pn.node->describe(), " reads rows of b", b.id, " which has no storage");
+      if (bd->outer != 1) {
+        // Rows of every block of a time-major flatten: gathered into a copy of the chunk's shape.
+        LAZYMEM_INTERNAL_ASSERT(!u.write, pn.node->describe(), " writes rows of a time-major flatten in place");
+        const TensorMeta g = gathered_rows(u.ref.meta, bd->dim, bd->unit, bd->outer, rows_);
+        return real_view(b, narrow_rows_blocks(u.ref.meta, bd->dim, bd->unit, bd->outer, start_, rows_))
+            .reshape(g.sizes);
+      }
       return real_view(b, narrow_rows(u.ref.meta, bd->dim, bd->unit, start_, rows_));
     default:
       break;
@@ -125,6 +133,7 @@ TensorMeta Binder::def_meta(const PlannedNode& pn, size_t i) const {
     case Bind::kLocal:
       return localize(d.ref.meta, stage_.slots[bd->slot].layout, rows_);
     case Bind::kNarrow:
+      if (bd->outer != 1) return gathered_rows(d.ref.meta, bd->dim, bd->unit, bd->outer, rows_);
       return narrow_rows(d.ref.meta, bd->dim, bd->unit, start_, rows_);
     default:
       return d.ref.meta;
@@ -138,8 +147,14 @@ void Binder::def(const PlannedNode& pn, size_t i, const at::Tensor& r, Taken& ta
   const Bind bind = bd ? bd->bind : Bind::kWhole;
   if (bind == Bind::kDiscard) return;
   const TensorMeta m = def_meta(pn, i);
-  LAZYMEM_INTERNAL_ASSERT(r.defined(), "kernel returned an undefined tensor where meta inference promised ",
-                          m.to_string());
+  if (!r.defined()) {
+    // Some kernels return an undefined tensor where the meta kernel gives an empty one
+    // (_native_multi_head_attention's weights without need_weights): the empty tensor it promised.
+    LAZYMEM_INTERNAL_ASSERT(m.numel() == 0, "kernel returned an undefined tensor where meta inference promised ",
+                            m.to_string());
+    def(pn, i, at::empty(m.sizes, at::TensorOptions().dtype(m.dtype).device(backing_device())), taken);
+    return;
+  }
   if (bind == Bind::kWhole) {
     if (!b.has_real() && adoptable(r, m, b.nbytes.load(), taken)) {
       b.set_real(r.storage());
@@ -162,6 +177,11 @@ void Binder::def(const PlannedNode& pn, size_t i, const at::Tensor& r, Taken& ta
     LAZYMEM_INTERNAL_ASSERT(b.has_real(), pn.node->describe(), " writes rows of b", b.id, " which has no storage");
     if (!r.sizes().equals(m.sizes)) {
       check_shape(d, m, r, pn.placeholder_outputs);
+      return;
+    }
+    if (bd->outer != 1) { // scattered into every block of a time-major flatten
+      const TensorMeta e = narrow_rows_blocks(d.ref.meta, bd->dim, bd->unit, bd->outer, start_, rows_);
+      real_view(b, e).copy_(r.reshape(e.sizes));
       return;
     }
     real_view(b, m).copy_(r);
@@ -189,6 +209,8 @@ at::Tensor Binder::bound_def(const PlannedNode& pn, size_t i) {
   const Bound* bd = pn.defs.empty() ? nullptr : &pn.defs[i];
   const TensorMeta m = def_meta(pn, i);
   if (bd && bd->bind == Bind::kDiscard) return at::Tensor();
+  LAZYMEM_INTERNAL_ASSERT(!bd || bd->bind != Bind::kNarrow || bd->outer == 1, pn.node->describe(),
+                          ": rows of a time-major flatten are no view");
   if (!bd || bd->bind == Bind::kWhole) ensure_real(*d.ref.buf, m.extent_bytes());
   if (!bd || bd->bind == Bind::kWhole || bd->bind == Bind::kNarrow) return real_view(*d.ref.buf, m);
   return storage_view(slot_storage(bd->slot), m);

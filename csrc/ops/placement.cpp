@@ -17,6 +17,7 @@ struct Registry {
   std::unordered_map<std::string, RuleEntry> any;   // "aten::add": every overload
   std::vector<std::pair<std::string, RuleEntry>> prefix; // "aten::_foreach_": every op starting so
   PlaceRule pointwise = nullptr;
+  bool pointwise_outer_aware = false;
 };
 
 Registry& registry() {
@@ -66,7 +67,7 @@ RuleEntry lookup(const c10::OperatorHandle& op) {
   for (const auto& [p, e] : r.prefix) {
     if (name.name.compare(0, p.size(), p) == 0) return e;
   }
-  if (r.pointwise && functional_is_pointwise(op)) return RuleEntry{r.pointwise, "pointwise"};
+  if (r.pointwise && functional_is_pointwise(op)) return RuleEntry{r.pointwise, "pointwise", r.pointwise_outer_aware};
   return RuleEntry{};
 }
 
@@ -117,26 +118,28 @@ const RuleEntry* placement_rule(const c10::OperatorHandle& op) {
   return entry;
 }
 
-void register_placement_rules(const char* family, std::initializer_list<const char*> ops, PlaceRule fn) {
+void register_placement_rules(const char* family, std::initializer_list<const char*> ops, PlaceRule fn,
+                              bool outer_aware) {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   for (const char* name : ops) {
     std::string s(name);
     if (!s.empty() && s.back() == '*') {
       s.pop_back();
-      r.prefix.emplace_back(s, RuleEntry{fn, family});
+      r.prefix.emplace_back(s, RuleEntry{fn, family, outer_aware});
     } else if (s.find('.') == std::string::npos) {
-      r.any[s] = RuleEntry{fn, family};
+      r.any[s] = RuleEntry{fn, family, outer_aware};
     } else {
-      r.exact[s] = RuleEntry{fn, family};
+      r.exact[s] = RuleEntry{fn, family, outer_aware};
     }
   }
 }
 
-void register_pointwise_default(PlaceRule fn) {
+void register_pointwise_default(PlaceRule fn, bool outer_aware) {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   r.pointwise = fn;
+  r.pointwise_outer_aware = outer_aware;
 }
 
 } // namespace lazymem

@@ -3,6 +3,8 @@
 // in the style of functorch batch rules: one function per op family, registered in one line.
 //
 //   S(dim, unit)  batch-sharded: view dim `dim` has size batch*unit with the batch as its major factor
+//                 (or outer*batch*unit: a flatten of `outer` blocks, each holding every batch row, as
+//                 time-major attention makes; only rules registered outer-aware see those)
 //   R             replicated: one value, the same for every chunk
 //   P(op)         partial: each chunk produces a piece; the value is their reduction (sum, max, ...)
 //
@@ -31,18 +33,24 @@ struct Place {
   enum Kind : uint8_t { kR, kS, kP };
   Kind kind = kR;
   int8_t dim = -1;               // kS: the view dim carrying the batch
-  int64_t unit = 1;              // kS: that dim has size batch * unit (batch-major)
+  int64_t unit = 1;              // kS: that dim has size outer * batch * unit (batch-major in each block)
+  int64_t outer = 1;             // kS: blocks flattened into that dim before the batch (1: none)
   Reduce reduce = Reduce::kNone; // kP
 
   static Place R() {
     return Place{};
   }
-  static Place S(int64_t dim, int64_t unit = 1) {
+  static Place S(int64_t dim, int64_t unit = 1, int64_t outer = 1) {
     Place p;
     p.kind = kS;
     p.dim = static_cast<int8_t>(dim);
     p.unit = unit;
+    p.outer = outer;
     return p;
+  }
+  // The same sharding along another dim.
+  Place at(int64_t d) const {
+    return S(d, unit, outer);
   }
   static Place P(Reduce r) {
     Place p;
@@ -60,7 +68,8 @@ struct Place {
     return kind == kR;
   }
   bool operator==(const Place& o) const {
-    return kind == o.kind && (kind != kS || (dim == o.dim && unit == o.unit)) && (kind != kP || reduce == o.reduce);
+    return kind == o.kind && (kind != kS || (dim == o.dim && unit == o.unit && outer == o.outer)) &&
+        (kind != kP || reduce == o.reduce);
   }
   bool operator!=(const Place& o) const {
     return !(*this == o);
@@ -78,14 +87,19 @@ struct OperandMode {
   Mode mode = Mode::kWhole;
   int8_t dim = -1;
   int64_t unit = 1;
+  int64_t outer = 1; // Place::outer of the rows' dim
   static OperandMode whole() {
     return OperandMode{};
   }
-  static OperandMode rows(int64_t dim, int64_t unit) {
-    return OperandMode{Mode::kRows, static_cast<int8_t>(dim), unit};
+  static OperandMode rows(int64_t dim, int64_t unit, int64_t outer = 1) {
+    return OperandMode{Mode::kRows, static_cast<int8_t>(dim), unit, outer};
+  }
+  // Rows along `dim`, sharded as `p` is.
+  static OperandMode rows(int64_t dim, const Place& p) {
+    return rows(dim, p.unit, p.outer);
   }
   static OperandMode partial() {
-    return OperandMode{Mode::kPartial, -1, 1};
+    return OperandMode{Mode::kPartial, -1, 1, 1};
   }
 };
 
@@ -181,14 +195,18 @@ using PlaceRule = bool (*)(const RuleCall&, RuleResult&);
 struct RuleEntry {
   PlaceRule fn = nullptr;
   const char* family = "";
+  // The rule handles operands sharded with Place::outer > 1 (it keeps `outer` wherever it passes
+  // the batch on). Other rules never see them: such a node runs whole.
+  bool outer_aware = false;
 };
 
 // The rule for `op`, or nullptr when none is registered (cached per op, thread-safe).
 const RuleEntry* placement_rule(const c10::OperatorHandle& op);
 // Registers `fn` for each op ("aten::add.Tensor"; a name without an overload covers every overload;
 // a name ending in '*' covers every op whose name starts with what precedes it).
-void register_placement_rules(const char* family, std::initializer_list<const char*> ops, PlaceRule fn);
+void register_placement_rules(const char* family, std::initializer_list<const char*> ops, PlaceRule fn,
+                              bool outer_aware = false);
 // Ops tagged pointwise in native_functions.yaml (or whose functional form is) get `fn` by default.
-void register_pointwise_default(PlaceRule fn);
+void register_pointwise_default(PlaceRule fn, bool outer_aware = false);
 
 } // namespace lazymem

@@ -21,7 +21,7 @@ bool any_partial(const RuleCall& c) {
 }
 
 bool align(const RuleCall& c, RuleResult& r, size_t i, int64_t out_ndim, int64_t out_dim, int64_t out_size,
-           int64_t unit) {
+           const Place& p) {
   const Operand& o = c.ins[i];
   const int64_t ad = out_dim - (out_ndim - o.dim());
   if (ad < 0 || (o.sizes[ad] == 1 && out_size != 1)) {
@@ -30,10 +30,8 @@ bool align(const RuleCall& c, RuleResult& r, size_t i, int64_t out_ndim, int64_t
     return true;
   }
   if (o.sizes[ad] != out_size) return fail(r, "an operand's size along the batch differs from the output's");
-  if (o.place.is_s() && (o.place.dim != ad || o.place.unit != unit)) {
-    return fail(r, "operands carry the batch along different dims");
-  }
-  r.ins[i] = OperandMode::rows(ad, unit);
+  if (o.place.is_s() && o.place != p.at(ad)) return fail(r, "operands carry the batch along different dims");
+  r.ins[i] = OperandMode::rows(ad, p);
   return true;
 }
 
@@ -45,7 +43,7 @@ std::optional<Place> broadcast(const RuleCall& c, RuleResult& r, c10::IntArrayRe
     for (size_t i = 0; i < c.ins.size(); ++i) all.push_back(static_cast<int64_t>(i));
     which = all;
   }
-  int64_t od = -1, unit = 1;
+  std::optional<Place> found; // the output's placement
   for (int64_t i : which) {
     const Operand& o = c.ins[i];
     if (!o.place.is_s()) continue;
@@ -54,25 +52,21 @@ std::optional<Place> broadcast(const RuleCall& c, RuleResult& r, c10::IntArrayRe
       fail(r, "a batch-sharded operand is broadcast along the batch");
       return std::nullopt;
     }
-    if (od >= 0 && (od != d || unit != o.place.unit)) {
+    if (found && *found != o.place.at(d)) {
       fail(r, "operands carry the batch along different dims of the output");
       return std::nullopt;
     }
-    od = d;
-    unit = o.place.unit;
+    found = o.place.at(d);
   }
-  if (od < 0 && want && want->is_s()) {
-    od = want->dim;
-    unit = want->unit;
-  }
-  if (od < 0) {
+  if (!found && want && want->is_s()) found = *want;
+  if (!found) {
     for (int64_t i : which) r.ins[i] = OperandMode::whole();
     return Place::R();
   }
   for (int64_t i : which) {
-    if (!align(c, r, static_cast<size_t>(i), on, od, out[od], unit)) return std::nullopt;
+    if (!align(c, r, static_cast<size_t>(i), on, found->dim, out[found->dim], *found)) return std::nullopt;
   }
-  return Place::S(od, unit);
+  return found;
 }
 
 std::vector<int64_t> int_list(const c10::IValue& v) {

@@ -41,9 +41,14 @@ std::optional<Place> broadcast(const RuleCall& c, RuleResult& r, c10::IntArrayRe
                                c10::ArrayRef<int64_t> which = {});
 
 // Binds operand `i`, aligned with the output's batch dim `out_dim` (of an output with `out_ndim`
-// dims, numpy-aligned from the right), to its rows, or whole if broadcast there. False on conflict.
+// dims, numpy-aligned from the right, sharded as `p`), to its rows, or whole if broadcast there.
+// False on conflict.
 bool align(const RuleCall& c, RuleResult& r, size_t i, int64_t out_ndim, int64_t out_dim, int64_t out_size,
-           int64_t unit);
+           const Place& p);
+inline bool align(const RuleCall& c, RuleResult& r, size_t i, int64_t out_ndim, int64_t out_dim, int64_t out_size,
+                  int64_t unit) {
+  return align(c, r, i, out_ndim, out_dim, out_size, Place::S(out_dim, unit));
+}
 
 // An int-list argument as a vector (an int, an empty list or None gives an empty vector).
 std::vector<int64_t> int_list(const c10::IValue& v);

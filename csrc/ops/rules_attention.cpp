@@ -1,4 +1,5 @@
-// ops: scaled-dot-product attention (batch_split_theory.md §4 row 26). Query, key and value carry
+// ops: scaled-dot-product attention (batch_split_theory.md §4 row 26) and the fused inference paths
+// of nn.MultiheadAttention and nn.TransformerEncoderLayer. Query, key and value carry
 // the batch at dim 0, the mask is broadcast against (B, heads, L, S) — per sample when it has the
 // batch, whole otherwise; outputs and the saved log-sum-exp keep the batch. Without dropout the
 // op draws nothing even though it is tagged random.
@@ -11,8 +12,13 @@ bool dropout_free(const RuleCall& c, int arg) {
   return c.args[arg].isDouble() && c.args[arg].toDouble() == 0.0;
 }
 
-// Binds q/k/v-like operands (dim 0 the batch) and the broadcast mask against a rank-4 attention.
-bool attention_common(const RuleCall& c, RuleResult& r, std::initializer_list<int> batched, int mask_arg) {
+// How a mask meets the batch: broadcast against (B, heads, L, S) (SDPA), or per sample at dim 0 (a
+// key-padding or merged mask of the fused module paths) when it carries the batch, shared otherwise.
+enum class MaskKind { kBroadcast4, kDim0 };
+
+// Binds q/k/v-like operands (dim 0 the batch) and the mask.
+bool attention_common(const RuleCall& c, RuleResult& r, std::initializer_list<int> batched, int mask_arg,
+                      MaskKind kind = MaskKind::kBroadcast4, bool per_sample_mask = false) {
   std::optional<Place> p;
   int64_t rows = -1;
   for (int arg : batched) {
@@ -35,15 +41,49 @@ bool attention_common(const RuleCall& c, RuleResult& r, std::initializer_list<in
     r.ins[i] = OperandMode::rows(0, p->unit);
   }
   const int64_t m = c.operand_index(mask_arg);
-  if (m >= 0 && !align(c, r, static_cast<size_t>(m), 4, 0, rows, p->unit)) return false;
+  if (m >= 0 && kind == MaskKind::kBroadcast4 && !align(c, r, static_cast<size_t>(m), 4, 0, rows, p->unit)) {
+    return false;
+  }
+  if (m >= 0 && kind == MaskKind::kDim0 && per_sample_mask) {
+    // Positional rows even when the mask is replicated (an expanded causal mask): the kernel checks
+    // its dim 0 against the chunk's.
+    if ((c.ins[m].place.is_s() && c.ins[m].place != *p) || c.ins[m].dim() == 0 || c.ins[m].sizes[0] != rows * p->unit) {
+      return fail(r, "the mask carries the batch elsewhere");
+    }
+    r.ins[m] = OperandMode::rows(0, p->unit);
+  }
   for (size_t i = 0; i < c.ins.size(); ++i) {
     if (r.ins[i].mode == Mode::kWhole && c.ins[i].place.is_s()) return fail(r, "an operand carries the batch elsewhere");
   }
   for (size_t j = 0; j < c.outs.size(); ++j) {
+    if (c.outs[j].dim() == 1 && c.outs[j].sizes[0] == 0) continue; // an empty placeholder (no weights)
     if (c.outs[j].dim() == 0 || c.outs[j].sizes[0] != rows) return fail(r, "an output without the batch");
     r.outs[j] = Place::S(0, p->unit);
   }
   return true;
+}
+
+// The fused paths' mask_type: 0 a (L, S) mask shared by every sample; 1 a (B, S) key-padding mask,
+// 2 or none a (B, heads, L, S) mask: per sample.
+bool per_sample_mask(const RuleCall& c, int mask_type_arg) {
+  const c10::IValue& t = c.args[mask_type_arg];
+  return !(t.isInt() && t.toInt() == 0);
+}
+
+// _transformer_encoder_layer_fwd(src, embed_dim, num_heads, qkv_weight, ..., mask, mask_type): the
+// fused inference path of nn.TransformerEncoderLayer (batch_first, so src is (B, L, E)); every
+// sample is independent.
+bool encoder_layer(const RuleCall& c, RuleResult& r) {
+  if (nothing_batched(c)) return replicated(c, r);
+  return attention_common(c, r, {0}, 18, MaskKind::kDim0, per_sample_mask(c, 19));
+}
+
+// _native_multi_head_attention(query, key, value, embed_dim, num_head, qkv_weight, qkv_bias,
+//   proj_weight, proj_bias, mask, need_weights, average_attn_weights, mask_type) -> (out, weights):
+// nn.MultiheadAttention's fused inference path (batch_first); the weights are per sample or empty.
+bool native_mha(const RuleCall& c, RuleResult& r) {
+  if (nothing_batched(c)) return replicated(c, r);
+  return attention_common(c, r, {0, 1, 2}, 9, MaskKind::kDim0, per_sample_mask(c, 12));
 }
 
 // _scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal, attn_mask,
@@ -67,6 +107,8 @@ const bool registered = [] {
   register_placement_rules("attention", {"aten::_scaled_dot_product_flash_attention_for_cpu"}, &flash_cpu);
   register_placement_rules("attention", {"aten::_scaled_dot_product_flash_attention_for_cpu_backward"},
                            &flash_cpu_backward);
+  register_placement_rules("attention", {"aten::_transformer_encoder_layer_fwd"}, &encoder_layer);
+  register_placement_rules("attention", {"aten::_native_multi_head_attention"}, &native_mha);
   return true;
 }();
 

@@ -51,16 +51,17 @@ bool matmul(const RuleCall& c, RuleResult& r) {
   if (!s) return fail(r, "no matmul spec");
   if (nothing_batched(c)) return replicated(c, r);
   // The batch's label, from the sharded operands (or the demanded output dim).
+  // `sh`: how the batch is sharded along its label (unit, outer), whichever dim that is.
   char label = 0;
-  int64_t unit = 1;
+  Place sh;
   for (const auto& [arg, labels] : s->operands) {
     const Operand* o = c.operand(arg);
     if (!o || !o->place.is_s()) continue;
     if (o->dim() != static_cast<int64_t>(std::strlen(labels))) return fail(r, "unexpected operand rank");
     char l = labels[o->place.dim];
-    if (label && (l != label || unit != o->place.unit)) return fail(r, "operands carry the batch in different roles");
+    if (label && (l != label || sh != o->place.at(0))) return fail(r, "operands carry the batch in different roles");
     label = l;
-    unit = o->place.unit;
+    sh = o->place.at(0);
   }
   const int64_t bias = s->bias >= 0 ? c.operand_index(s->bias) : -1;
   if (!label && bias >= 0 && c.ins[bias].place.is_s()) {
@@ -68,13 +69,13 @@ bool matmul(const RuleCall& c, RuleResult& r) {
     int64_t od = c.ins[bias].place.dim + (static_cast<int64_t>(std::strlen(s->out)) - c.ins[bias].dim());
     if (od < 0) return fail(r, "the added input is broadcast along the batch");
     label = s->out[od];
-    unit = c.ins[bias].place.unit;
+    sh = c.ins[bias].place.at(0);
   }
   if (!label) {
     const Place* want = c.wanted(0);
     if (!want || !want->is_s() || want->dim >= static_cast<int64_t>(std::strlen(s->out))) return replicated(c, r);
     label = s->out[want->dim];
-    unit = want->unit;
+    sh = want->at(0);
   }
   for (auto& m : r.ins) m = OperandMode::whole();
   for (const auto& [arg, labels] : s->operands) {
@@ -82,7 +83,7 @@ bool matmul(const RuleCall& c, RuleResult& r) {
     if (i < 0) continue;
     const char* at = std::strchr(labels, label);
     if (at) {
-      r.ins[i] = OperandMode::rows(at - labels, unit);
+      r.ins[i] = OperandMode::rows(at - labels, sh);
     } else if (c.ins[i].place.is_s()) {
       return fail(r, "a batch-sharded operand lacks the batch's role");
     }
@@ -95,9 +96,9 @@ bool matmul(const RuleCall& c, RuleResult& r) {
     const int64_t out_size = c.outs.empty() ? (w >= 0 ? c.ins[w].sizes[od] : 0) : c.outs[0].sizes[od];
     // The added input and an out= output follow the output's dims.
     for (int64_t i : {bias, w}) {
-      if (i >= 0 && !align(c, r, static_cast<size_t>(i), out_ndim, od, out_size, unit)) return false;
+      if (i >= 0 && !align(c, r, static_cast<size_t>(i), out_ndim, od, out_size, sh.at(od))) return false;
     }
-    for (auto& o : r.outs) o = Place::S(od, unit);
+    for (auto& o : r.outs) o = sh.at(od);
     return true;
   }
   // Contracted: each chunk's product is one term of the sum over the batch.
@@ -119,7 +120,7 @@ const bool registered = [] {
                            {"aten::mm", "aten::bmm", "aten::addmm", "aten::addmm_", "aten::baddbmm", "aten::baddbmm_",
                             "aten::addbmm", "aten::addbmm_", "aten::mv", "aten::addmv", "aten::addmv_", "aten::dot",
                             "aten::vdot", "aten::outer", "aten::ger", "aten::addr", "aten::addr_"},
-                           &matmul);
+                           &matmul, /*outer_aware=*/true);
   return true;
 }();
 

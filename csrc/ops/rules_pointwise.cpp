@@ -64,14 +64,14 @@ bool pointwise(const RuleCall& c, RuleResult& r) {
 }
 
 const bool registered = [] {
-  register_pointwise_default(&pointwise);
+  register_pointwise_default(&pointwise, /*outer_aware=*/true);
   register_placement_rules("pointwise",
                            {"aten::copy_", "aten::_to_copy", "aten::fill_", "aten::zero_", "aten::masked_fill_",
                             "aten::masked_fill", "aten::where", "aten::clone", "aten::_copy_from",
                             "aten::lift_fresh_copy", "aten::alias_copy", "aten::detach_copy", "aten::positive",
                             "aten::resolve_conj", "aten::resolve_neg", "aten::_conj_physical", "aten::conj_physical",
                             "aten::conj_physical_", "aten::log_sigmoid_forward", "aten::log_sigmoid_backward"},
-                           &pointwise);
+                           &pointwise, /*outer_aware=*/true);
   return true;
 }();
 

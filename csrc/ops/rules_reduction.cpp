@@ -154,7 +154,7 @@ bool reduction(const RuleCall& c, RuleResult& r) {
         s->keepdim_arg >= 0 && c.args[s->keepdim_arg].isBool() && c.args[s->keepdim_arg].toBool();
     if (!keepdim) out_dim -= std::count_if(dims.begin(), dims.end(), [&](int64_t k) { return k < d; });
   }
-  for (auto& o : r.outs) o = Place::S(out_dim, in->unit);
+  for (auto& o : r.outs) o = in->at(out_dim);
   return true;
 }
 
@@ -194,11 +194,11 @@ const bool registered = [] {
        "aten::min.dim", "aten::kthvalue", "aten::median.dim", "aten::nanmedian.dim", "aten::mode", "aten::cumsum",
        "aten::cumprod", "aten::logcumsumexp", "aten::cummax", "aten::cummin", "aten::sort", "aten::sort.stable",
        "aten::topk", "aten::flip"},
-      &reduction);
+      &reduction, /*outer_aware=*/true);
   register_placement_rules("softmax",
                            {"aten::_softmax", "aten::_log_softmax", "aten::_softmax_backward_data",
                             "aten::_log_softmax_backward_data"},
-                           &reduction);
+                           &reduction, /*outer_aware=*/true);
   register_placement_rules("pointwise", {"aten::tril", "aten::triu", "aten::tril_", "aten::triu_"}, &triangle);
   register_placement_rules("pointwise", {"aten::roll"}, &roll);
   return true;

@@ -81,6 +81,17 @@ bool any_batched(const NodeInfo& ni, const std::vector<Place>& want) {
   return false;
 }
 
+// True when an operand or a demanded output is sharded along a dim with outer blocks.
+bool has_outer(const NodeInfo& ni, const std::vector<Place>& want) {
+  for (const Operand& o : ni.ops) {
+    if (o.place.is_s() && o.place.outer != 1) return true;
+  }
+  for (const Place& p : want) {
+    if (p.is_s() && p.outer != 1) return true;
+  }
+  return false;
+}
+
 } // namespace
 
 bool apply_outcome(Analysis& a, int32_t i) {
@@ -91,7 +102,7 @@ bool apply_outcome(Analysis& a, int32_t i) {
     BufInfo& b = a.bufs[ni.def_buf[j]];
     const Place& o = ni.rr.outs[j];
     if (o.is_s()) {
-      auto l = layout_of(n.defs[j].ref.meta, b.buf->nbytes.load(), BatchDim{o.dim, o.unit}, a.batch);
+      auto l = layout_of(n.defs[j].ref.meta, b.buf->nbytes.load(), BatchDim{o.dim, o.unit, o.outer}, a.batch);
       if (!l || (b.place.is_s() && !(b.layout == *l)) || b.place.is_p()) return false;
       b.place = Place::S(0);
       b.layout = *l;
@@ -100,8 +111,8 @@ bool apply_outcome(Analysis& a, int32_t i) {
       b.place = o;
       b.p_first = b.p_last = n.defs[j].ref.version;
       b.p_finish = ni.rr.finalize.size() > j && ni.rr.finalize[j].kind != Finalize::kNone;
-    } else if (ni.loop) {
-      return false; // a loop node's outputs are batch-sharded or partial
+    } else if (ni.loop && n.defs[j].ref.meta.numel() != 0) {
+      return false; // a loop node's outputs are batch-sharded or partial (or empty: every chunk's alike)
     }
   }
   for (size_t k = 0; k < n.uses.size(); ++k) {
@@ -111,7 +122,7 @@ bool apply_outcome(Analysis& a, int32_t i) {
     const OperandMode& m = ni.rr.ins[k];
     if (m.mode == Mode::kRows) {
       if (b.place.is_p()) return false;
-      auto l = layout_of(u.ref.meta, b.buf->nbytes.load(), BatchDim{m.dim, m.unit}, a.batch);
+      auto l = layout_of(u.ref.meta, b.buf->nbytes.load(), BatchDim{m.dim, m.unit, m.outer}, a.batch);
       if (!l || (b.place.is_s() && !(b.layout == *l))) return false;
       b.place = Place::S(0);
       b.layout = *l;
@@ -155,7 +166,7 @@ std::vector<Place> wants(Analysis& a, int32_t i) {
     const BufInfo& b = a.bufs[ni.def_buf[j]];
     Place p;
     if (b.place.is_s()) {
-      if (auto bd = analyze_view(ni.node->defs[j].ref.meta, b.layout)) p = Place::S(bd->dim, bd->unit);
+      if (auto bd = analyze_view(ni.node->defs[j].ref.meta, b.layout)) p = Place::S(bd->dim, bd->unit, bd->outer);
     }
     w.push_back(p);
   }
@@ -290,7 +301,7 @@ void sink(Analysis& a) {
           ok = false;
           break;
         }
-        auto l = layout_of(ni.node->uses[k].ref.meta, b.buf->nbytes.load(), BatchDim{m.dim, m.unit}, a.batch);
+        auto l = layout_of(ni.node->uses[k].ref.meta, b.buf->nbytes.load(), BatchDim{m.dim, m.unit, m.outer}, a.batch);
         if (!l || (layout && !(*layout == *l))) {
           ok = false;
           break;
@@ -354,7 +365,7 @@ Place Analysis::use_place(const NodeInfo& ni, size_t u) const {
   const BufInfo& b = bufs[ni.use_buf[u]];
   if (b.place.is_s()) {
     auto bd = analyze_view(ni.node->uses[u].ref.meta, b.layout);
-    return bd ? Place::S(bd->dim, bd->unit) : Place::R();
+    return bd ? Place::S(bd->dim, bd->unit, bd->outer) : Place::R();
   }
   if (b.place.is_p()) {
     // Partial only in the versions written by the loop; a finished value written after is R. A
@@ -398,6 +409,9 @@ void evaluate(Analysis& a, int32_t i, const std::vector<Place>& want) {
   auto forced = a.forced_barriers.find(ni.node);
   if (forced != a.forced_barriers.end()) {
     r.why = forced->second.c_str();
+  } else if (e && has_outer(ni, want) && (!e->outer_aware || n.random)) {
+    r.why = "the batch is a minor factor of a flattened dim (a time-major layout) and this op's rule does not "
+            "take that";
   } else if (e) {
     ok = e->fn(call, r);
   }

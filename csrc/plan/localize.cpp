@@ -1,6 +1,8 @@
 // plan: view localization and narrowing.
 #include "plan/localize.h"
 
+#include <algorithm>
+
 namespace lazymem {
 namespace {
 
@@ -26,7 +28,6 @@ std::optional<Geometry> geometry(const TensorMeta& view, const RowLayout& layout
 std::optional<BatchDim> analyze_view(const TensorMeta& view, const RowLayout& layout) {
   auto g = geometry(view, layout);
   if (!g || view.numel() == 0) return std::nullopt;
-  const int64_t B = layout.rows;
   // Split the offset into (block, row, position inside the row); the view must start at row 0.
   int64_t off = view.offset;
   if (off < 0) return std::nullopt;
@@ -49,16 +50,15 @@ std::optional<BatchDim> analyze_view(const TensorMeta& view, const RowLayout& la
       outer_extent += (n - 1) * (t / g->block);
       continue;
     }
-    if (t == g->row && n == B) {
+    if (t <= g->row && g->row % t == 0 && (n * t) % g->block == 0) {
+      // The batch dim: every row of n * t / block consecutive blocks (more than one: a time-major
+      // flatten), positions inside a row in steps of t (fewer than a row's: a flatten of the batch
+      // with row dims, batch-major).
       if (found.dim >= 0) return std::nullopt;
-      found = BatchDim{static_cast<int8_t>(k), 1};
-      continue;
-    }
-    if (t < g->row && g->row % t == 0 && n * t == B * g->row) {
-      // A flattened dim: batch-major, then positions inside the row in steps of t.
-      if (found.dim >= 0) return std::nullopt;
-      found = BatchDim{static_cast<int8_t>(k), g->row / t};
-      flat_stride = t;
+      const int64_t blocks = n * t / g->block;
+      found = BatchDim{static_cast<int8_t>(k), g->row / t, blocks};
+      outer_extent += blocks - 1;
+      if (t < g->row) flat_stride = t;
       continue;
     }
     if (t < g->row) {
@@ -77,7 +77,7 @@ std::optional<BatchDim> analyze_view(const TensorMeta& view, const RowLayout& la
 
 std::optional<RowLayout> layout_of(const TensorMeta& view, size_t nbytes, BatchDim at, int64_t rows) {
   if (at.dim < 0 || static_cast<size_t>(at.dim) >= view.sizes.size() || rows <= 0) return std::nullopt;
-  if (view.sizes[at.dim] != rows * at.unit) return std::nullopt;
+  if (at.outer < 1 || view.sizes[at.dim] != at.outer * rows * at.unit) return std::nullopt;
   const int64_t item = static_cast<int64_t>(c10::elementSize(view.dtype));
   const int64_t t = view.strides[at.dim];
   if (t <= 0) return std::nullopt;
@@ -88,7 +88,7 @@ std::optional<RowLayout> layout_of(const TensorMeta& view, size_t nbytes, BatchD
   if (block <= 0 || static_cast<int64_t>(nbytes) % block != 0) return std::nullopt;
   l.outer = static_cast<int64_t>(nbytes) / block;
   auto back = analyze_view(view, l);
-  if (!back || back->dim != at.dim || back->unit != at.unit) return std::nullopt;
+  if (!back || back->dim != at.dim || back->unit != at.unit || back->outer != at.outer) return std::nullopt;
   return l;
 }
 
@@ -100,7 +100,7 @@ TensorMeta localize(const TensorMeta& view, const RowLayout& layout, int64_t chu
   const int64_t local_block = g->row * chunk_rows;
   for (size_t k = 0; k < m.sizes.size(); ++k) {
     if (at && static_cast<int64_t>(k) == at->dim) {
-      m.sizes[k] = chunk_rows * at->unit;
+      m.sizes[k] = at->outer * chunk_rows * at->unit;
       continue;
     }
     const int64_t t = m.strides[k];
@@ -115,6 +115,30 @@ TensorMeta narrow_rows(const TensorMeta& view, int64_t dim, int64_t unit, int64_
   TensorMeta m = view;
   m.offset += start * unit * view.strides[dim];
   m.sizes[dim] = rows * unit;
+  return m;
+}
+
+TensorMeta narrow_rows_blocks(const TensorMeta& view, int64_t dim, int64_t unit, int64_t outer, int64_t start,
+                              int64_t rows) {
+  TensorMeta m = view;
+  const int64_t t = view.strides[dim];
+  const int64_t per_block = view.sizes[dim] / outer; // batch * unit elements
+  m.offset += start * unit * t;
+  m.sizes[dim] = rows * unit;
+  m.sizes.insert(m.sizes.begin() + dim, outer);
+  m.strides.insert(m.strides.begin() + dim, per_block * t);
+  return m;
+}
+
+TensorMeta gathered_rows(const TensorMeta& view, int64_t dim, int64_t unit, int64_t outer, int64_t rows) {
+  TensorMeta m = view;
+  m.sizes[dim] = outer * rows * unit;
+  m.offset = 0;
+  int64_t stride = 1;
+  for (size_t k = m.sizes.size(); k-- > 0;) {
+    m.strides[k] = stride;
+    stride *= std::max<int64_t>(m.sizes[k], 1);
+  }
   return m;
 }
 

@@ -1,8 +1,9 @@
 // plan: view geometry under splitting. A batch-sharded buffer's storage is [outer][batch][row]; a
 // chunk-local storage is [outer][chunk][row]. A view of the buffer is localized by its strides:
 // outer dims rescale, the dim whose major factor is the batch shrinks to the chunk, dims inside a
-// row are unchanged. Anything else (a slice or select along the batch, a flatten with the batch as a
-// minor factor, rows that overlap) cannot be localized. Narrowing is the other binding: the same view
+// row are unchanged; a dim that flattens whole blocks with the batch (outer, batch, row positions:
+// time-major (T*B, E)) shrinks to outer * chunk. Anything else (a slice or select along the batch,
+// rows that overlap) cannot be localized. Narrowing is the other binding: the same view
 // restricted to the chunk's rows, for values kept whole (replicated values used row by row, results
 // assembled in full storage). Pure integer geometry, shared by the planner and the executor.
 #pragma once
@@ -16,7 +17,8 @@ namespace lazymem {
 
 struct BatchDim {
   int8_t dim = -1;   // the view dim carrying the batch
-  int64_t unit = 1;  // that dim's size is batch * unit
+  int64_t unit = 1;  // that dim's size is outer * batch * unit
+  int64_t outer = 1; // blocks flattened into that dim before the batch (a time-major flatten)
 };
 
 // Where the batch sits in `view` of a buffer with `layout`, or nullopt if the view cannot be
@@ -32,5 +34,13 @@ TensorMeta localize(const TensorMeta& view, const RowLayout& layout, int64_t chu
 
 // `view` restricted to batch rows [start, start + rows) along `dim` (unit elements per row).
 TensorMeta narrow_rows(const TensorMeta& view, int64_t dim, int64_t unit, int64_t start, int64_t rows);
+
+// The same for a dim that flattens `outer` blocks of every batch row (a time-major flatten): no view
+// of the dim's rank gives a chunk's rows, so this is a view of one more dim, (outer, rows * unit) in
+// place of `dim`, to gather from or scatter into.
+TensorMeta narrow_rows_blocks(const TensorMeta& view, int64_t dim, int64_t unit, int64_t outer, int64_t start,
+                              int64_t rows);
+// What the kernel sees of such a gather: `view` with `dim` of outer * rows * unit, contiguous.
+TensorMeta gathered_rows(const TensorMeta& view, int64_t dim, int64_t unit, int64_t outer, int64_t rows);
 
 } // namespace lazymem

@@ -127,6 +127,8 @@ class Simulator {
             }
           } else if (bd.bind == Bind::kWhole) {
             out.bytes += touch(n.uses[i].ref.buf.get(), n.uses[i].ref.meta.extent_bytes());
+          } else if (bd.bind == Bind::kNarrow && bd.outer != 1) {
+            transient.per_row += bytes_per_row(n.uses[i].ref.meta, bd, st.batch); // a gathered copy
           }
         }
         for (size_t i = 0; i < n.defs.size(); ++i) {

@@ -55,6 +55,7 @@ struct Bound {
   Bind bind = Bind::kWhole;
   int8_t dim = -1;     // kLocal / kNarrow: the view dim carrying the batch
   int64_t unit = 1;
+  int64_t outer = 1;   // kNarrow: blocks flattened into that dim (> 1: the rows are gathered, no view)
   int32_t slot = -1;   // kLocal / kPartial
 };
 

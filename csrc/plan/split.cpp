@@ -300,17 +300,19 @@ class SplitBuilder {
     }
     Mode mode;
     int8_t dim = -1;
-    int64_t unit = 1;
+    int64_t unit = 1, outer = 1;
     if (def) {
       const Place& p = ni.rr.outs[k];
       mode = p.is_s() ? Mode::kRows : (p.is_p() ? Mode::kPartial : Mode::kWhole);
       dim = p.dim;
       unit = p.unit;
+      outer = p.outer;
     } else {
       const OperandMode& m = ni.rr.ins[k];
       mode = m.mode;
       dim = m.dim;
       unit = m.unit;
+      outer = m.outer;
     }
     if (mode == Mode::kWhole) return bd;
     bd.dim = dim;
@@ -323,6 +325,13 @@ class SplitBuilder {
       bd.slot = slot_of(st, ls, b, Store::kLocal);
     } else {
       bd.bind = Bind::kNarrow;
+      bd.outer = outer;
+      // A chunk's rows of a time-major flatten are no single view of the full value: gathered for a
+      // read, scattered from a result; an in-place write or a rescaled result would need a view.
+      const bool rescaled = def ? (ni.rr.post_div.size() > k && ni.rr.post_div[k] != 0) : false;
+      if (outer != 1 && ((!def && ni.node->uses[k].write) || rescaled || ni.node->random)) {
+        unnarrowable_.insert(ni.node);
+      }
     }
     return bd;
   }
@@ -476,7 +485,10 @@ class SplitBuilder {
           const Finalize& f = dn.rr.finalize[j];
           acc.finalize = f.kind;
           acc.divisor = f.value;
-          if (f.kind == Finalize::kDivOutput) acc.divide_by = dn.node->defs[f.output].ref.buf.get();
+          if (f.kind == Finalize::kDivOutput) {
+            acc.divide_by = dn.node->defs[f.output].ref.buf.get();
+            last[a_.index.at(acc.divide_by)] = {si, st.nodes.size()}; // read when the loop ends
+          }
         }
         sl.acc = static_cast<int32_t>(st.accs.size());
         st.accs.push_back(acc);
@@ -573,6 +585,9 @@ class SplitBuilder {
   // meta kernel refuses them or gives other output shapes than their rule says. Those run whole.
   std::unordered_map<const Node*, std::string> unsafe() {
     std::unordered_map<const Node*, std::string> bad;
+    for (const Node* n : unnarrowable_) {
+      bad.emplace(n, "it would write a chunk's rows of a stored time-major flatten in place, which no view gives");
+    }
     for (const Stage& st : plan_.stages) {
       if (!st.loop) continue;
       std::vector<int64_t> sizes{st.chunk};
@@ -606,6 +621,7 @@ class SplitBuilder {
       t.storage_bytes = std::max<int64_t>(bytes, static_cast<int64_t>(m.extent_bytes()));
       ts.push_back(std::move(t));
     };
+    int32_t next = -1; // storages of their own (host constants, gathered copies)
     for (size_t k = 0; k < n.uses.size(); ++k) {
       const Use& u = n.uses[k];
       const Bound& bd = pn.uses[k];
@@ -617,6 +633,11 @@ class SplitBuilder {
           break;
         }
         case Bind::kNarrow:
+          if (bd.outer != 1) { // a gathered copy
+            const TensorMeta g = gathered_rows(u.ref.meta, bd.dim, bd.unit, bd.outer, rows);
+            add(u.arg, u.elem, g, next--, static_cast<int64_t>(g.extent_bytes()));
+            break;
+          }
           add(u.arg, u.elem, narrow_rows(u.ref.meta, bd.dim, bd.unit, 0, rows), id,
               static_cast<int64_t>(u.ref.buf->nbytes.load()));
           break;
@@ -624,7 +645,6 @@ class SplitBuilder {
           add(u.arg, u.elem, u.ref.meta, id, static_cast<int64_t>(u.ref.buf->nbytes.load()));
       }
     }
-    int32_t next = -1;
     std::vector<c10::IValue> args = n.args;
     for (auto& v : args) {
       if (v.isList()) v = c10::IValue(v.toList().copy());
@@ -664,7 +684,10 @@ class SplitBuilder {
       if (bd.bind == Bind::kDiscard) continue;
       TensorMeta want = d.ref.meta;
       if (bd.bind == Bind::kLocal) want = localize(d.ref.meta, st.slots[bd.slot].layout, rows);
-      if (bd.bind == Bind::kNarrow) want = narrow_rows(d.ref.meta, bd.dim, bd.unit, 0, rows);
+      if (bd.bind == Bind::kNarrow) {
+        want = bd.outer != 1 ? gathered_rows(d.ref.meta, bd.dim, bd.unit, bd.outer, rows)
+                             : narrow_rows(d.ref.meta, bd.dim, bd.unit, 0, rows);
+      }
       const ProbeOutput::Item* got = out->find(d.ret, d.elem);
       if (!got || got->dtype != want.dtype || !c10::IntArrayRef(got->sizes).equals(want.sizes)) {
         if (pn.placeholder_outputs && got && (got->sizes.empty() || want.numel() == 0)) continue;
@@ -715,6 +738,7 @@ class SplitBuilder {
   std::vector<uint32_t> final_, exec_final_;
   std::vector<char> exec_, retain_, kept_, pinned_, full_, host_;
   std::vector<uint64_t> pins_;
+  std::unordered_set<const Node*> unnarrowable_;
 
  public:
   std::vector<NodePtr> take_owned() {

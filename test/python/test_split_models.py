@@ -50,12 +50,34 @@ def transformer_block():
     return nn.Sequential(nn.TransformerEncoder(layer, 1, enable_nested_tensor=False), nn.Linear(16, 7))
 
 
+class TokenTransformer(nn.Module):
+    """Token and position embeddings, two pre-norm nn.TransformerEncoderLayer (nn.MultiheadAttention's
+    time-major path: its projections flatten (T, B, E) to (T*B, E)), mean pooling, a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.pos = nn.Parameter(torch.randn(6, 16) * 0.02)
+        layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 7)
+
+    def forward(self, ids):
+        return self.head(self.encoder(self.embed(ids) + self.pos).mean(1))
+
+
+def token_batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, 50, (B, 6), generator=g), torch.randint(0, 7, (B,), generator=g)
+
+
 CASES = {
     "mlp": (mlp, batch_of(20, classes=5), ce),
     "mlp_mse": (mlp, batch_of(20, classes=5), lambda m, b: F.mse_loss(m(b[0]), F.one_hot(b[1], 5).double())),
     "cnn_groupnorm": (GroupNormCNN, batch_of(3, 8, 8, classes=10), ce),
     "transformer_block": (transformer_block, batch_of(6, 16, classes=7),
                           lambda m, b: F.cross_entropy(m(b[0]).mean(1), b[1])),
+    "token_transformer_prenorm": (TokenTransformer, token_batch, ce),
 }
 
 

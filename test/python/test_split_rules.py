@@ -210,3 +210,38 @@ def test_views_of_the_batch_localize():
     with force_chunks(3):
         got = fn(x.to("lazymem"), w.to("lazymem")).cpu()
     torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("mask", ["none", "key_padding", "causal"])
+def test_fused_inference_paths_of_attention_modules_split(mask):
+    """nn.MultiheadAttention and nn.TransformerEncoder in eval under no_grad take fused kernels
+    (_native_multi_head_attention, _transformer_encoder_layer_fwd): split per sample, the key-padding
+    mask with them, a causal mask shared."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).double().eval()
+    mha = torch.nn.MultiheadAttention(16, 4, batch_first=True).double().eval()
+    x = torch.randn(B, 6, 16, dtype=torch.float64)
+    pad = torch.rand(B, 6) > 0.6
+    pad[:, 0] = False
+    kwargs = {"none": {}, "key_padding": {"src_key_padding_mask": pad},
+              "causal": {"mask": torch.nn.Transformer.generate_square_subsequent_mask(6, dtype=torch.float64),
+                         "is_causal": True}}[mask]
+    mha_mask = pad if mask == "key_padding" else None
+    with torch.no_grad():
+        expected = [encoder(x, **kwargs), *mha(x, x, x, key_padding_mask=mha_mask)]
+        expected_no_weights = mha(x, x, x, key_padding_mask=mha_mask, need_weights=False)[0]
+        encoder.to("lazymem")
+        mha.to("lazymem")
+        lx = x.to("lazymem")
+        lkw = {k: v.to("lazymem") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        lmask = None if mha_mask is None else mha_mask.to("lazymem")
+        torch_lazymem.reset_stats()
+        with force_chunks(3):
+            got = [encoder(lx, **lkw).cpu(), *[t.cpu() for t in mha(lx, lx, lx, key_padding_mask=lmask)]]
+            got_no_weights = mha(lx, lx, lx, key_padding_mask=lmask, need_weights=False)[0].cpu()
+    stats = torch_lazymem.stats()
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e)
+    torch.testing.assert_close(got_no_weights, expected_no_weights)
+    assert stats["splits"] >= 2 and stats["barriers"] == 0

@@ -62,7 +62,48 @@ TEST(Localize, ViewsThatMixRowsDoNotLocalize) {
   EXPECT_FALSE(analyze_view(view({3, 4}, {4, 1}, 12), kBTH));             // a select: one row
   EXPECT_FALSE(analyze_view(view({5, 3, 4}, {24, 4, 1}), kBTH));          // every other row
   const RowLayout tbh{3, 10, 16};
-  EXPECT_FALSE(analyze_view(view({30, 4}, {4, 1}), tbh));                 // (T*B, H): batch minor
+  EXPECT_FALSE(analyze_view(view({20, 4}, {4, 1}, 8), tbh));              // (T*B, H) from inside a row
+  EXPECT_FALSE(analyze_view(view({15, 4}, {4, 1}), tbh));                 // 1.5 blocks
+  EXPECT_FALSE(analyze_view(view({40, 4}, {4, 1}), tbh));                 // past the last block
+}
+
+TEST(Localize, ATimeMajorFlattenCarriesItsBlocks) {
+  const RowLayout tbh{3, 10, 16}; // a contiguous (T=3, B=10, H=4) buffer, as attention's projections make
+  auto at = analyze_view(view({30, 4}, {4, 1}), tbh); // (T*B, H): the batch a minor factor
+  ASSERT_TRUE(at);
+  EXPECT_EQ(at->dim, 0);
+  EXPECT_EQ(at->unit, 1);
+  EXPECT_EQ(at->outer, 3);
+  TensorMeta local = localize(view({30, 4}, {4, 1}), tbh, 4); // a chunk-local (3, 4, 4) storage
+  EXPECT_EQ(local.sizes, (c10::SmallVector<int64_t, 5>{12, 4}));
+  EXPECT_EQ(local.strides, (c10::SmallVector<int64_t, 5>{4, 1}));
+  // (T*B*heads, head_dim) with 2 heads of 2: flattened with row positions too.
+  auto heads = analyze_view(view({60, 2}, {2, 1}), tbh);
+  ASSERT_TRUE(heads);
+  EXPECT_EQ(heads->unit, 2);
+  EXPECT_EQ(heads->outer, 3);
+  EXPECT_EQ(localize(view({60, 2}, {2, 1}), tbh, 4).sizes[0], 24);
+  // The second and third blocks only.
+  auto tail = analyze_view(view({20, 4}, {4, 1}, 40), tbh);
+  ASSERT_TRUE(tail);
+  EXPECT_EQ(tail->outer, 2);
+  EXPECT_EQ(localize(view({20, 4}, {4, 1}, 40), tbh, 4).offset, 16);
+  // The layout a (T*B, H) result defines.
+  auto l = layout_of(view({30, 4}, {4, 1}), 30 * 16, BatchDim{0, 1, 3}, 10);
+  ASSERT_TRUE(l);
+  EXPECT_TRUE(*l == tbh);
+  EXPECT_FALSE(layout_of(view({30, 4}, {4, 1}), 30 * 16, BatchDim{0, 1, 1}, 10)); // without its blocks
+}
+
+TEST(Localize, RowsOfEveryBlockAreGatheredThroughOneMoreDim) {
+  // Rows 4..5 of a (T*B, H) flatten, T=3, B=10: (3, 2, 4) at offset 4 rows, blocks 40 apart.
+  TensorMeta e = narrow_rows_blocks(view({30, 4}, {4, 1}), 0, 1, 3, 4, 2);
+  EXPECT_EQ(e.sizes, (c10::SmallVector<int64_t, 5>{3, 2, 4}));
+  EXPECT_EQ(e.strides, (c10::SmallVector<int64_t, 5>{40, 4, 1}));
+  EXPECT_EQ(e.offset, 16);
+  TensorMeta g = gathered_rows(view({30, 4}, {4, 1}), 0, 1, 3, 2);
+  EXPECT_EQ(g.sizes, (c10::SmallVector<int64_t, 5>{6, 4}));
+  EXPECT_EQ(g.strides, (c10::SmallVector<int64_t, 5>{4, 1}));
 }
 
 TEST(Localize, LayoutOfADefinedBuffer) {
