@@ -111,6 +111,10 @@ at::Tensor Binder::use(const PlannedNode& pn, size_t i) {
         return real_view(b, narrow_rows_blocks(u.ref.meta, bd->dim, bd->unit, bd->outer, start_, rows_))
             .reshape(g.sizes);
       }
+      if (b.real_on_host && !backing_device().is_cpu()) {
+        // A value stored in host memory because it did not fit the device: its rows are brought over.
+        return real_view(b, narrow_rows(u.ref.meta, bd->dim, bd->unit, start_, rows_)).to(backing_device());
+      }
       return real_view(b, narrow_rows(u.ref.meta, bd->dim, bd->unit, start_, rows_));
     default:
       break;
@@ -255,6 +259,22 @@ void Binder::accumulate(int32_t slot) {
     case Reduce::kMin:
       at::minimum_out(acc, acc, p);
       break;
+    case Reduce::kMoments: {
+      // (biased variance, mean) of the rows before this chunk merged with this chunk's (Chan et al.):
+      // mean += d * nb / n, var = var * na / n + var_b * nb / n + d^2 * na * nb / n^2, d = mean_b - mean.
+      const double na = static_cast<double>(start_) * static_cast<double>(a.per_row);
+      const double nb = static_cast<double>(rows_) * static_cast<double>(a.per_row);
+      const double n = na + nb;
+      at::Tensor var = acc.select(0, 0), mean = acc.select(0, 1);
+      // Computed aside, then copied (copies allocate nothing): an allocation failure leaves the
+      // accumulator as it was, so the chunk can be retried.
+      at::Tensor d = p.select(0, 1).sub(mean);
+      at::Tensor v = var.mul(na / n).add_(p.select(0, 0), nb / n).add_(d.mul(d), na * nb / (n * n));
+      at::Tensor m = mean.add(d, nb / n);
+      var.copy_(v);
+      mean.copy_(m);
+      break;
+    }
     case Reduce::kNone:
       acc.copy_(p); // idempotent partials (every chunk computes the same value)
       break;

@@ -81,6 +81,8 @@ const char* reduce_name(Reduce r) {
       return "max";
     case Reduce::kMin:
       return "min";
+    case Reduce::kMoments:
+      return "moments";
     case Reduce::kNone:
       break;
   }

@@ -26,7 +26,9 @@
 
 namespace lazymem {
 
-enum class Reduce : uint8_t { kNone, kSum, kMax, kMin };
+// kMoments: [2, C] (biased variance, mean) of each chunk, merged by Chan's update with the rows'
+// element counts (batch norm's statistics pass).
+enum class Reduce : uint8_t { kNone, kSum, kMax, kMin, kMoments };
 const char* reduce_name(Reduce r);
 
 struct Place {
@@ -144,11 +146,13 @@ struct ArgRewrite {
 
 // How a partial output is finished after its loop: divided by a constant (mean over the batch as a
 // sum times 1/N) or by another output of the node, itself a sum (NLL's total weight).
+// kMoments: a Reduce::kMoments partial, complete once merged (`per_row` elements per batch row).
 struct Finalize {
-  enum Kind : uint8_t { kNone, kDivConst, kDivOutput };
+  enum Kind : uint8_t { kNone, kDivConst, kDivOutput, kMoments };
   Kind kind = kNone;
   double value = 1.0;
   int32_t output = -1;
+  int64_t per_row = 0;
 };
 
 struct RuleResult {
@@ -161,6 +165,8 @@ struct RuleResult {
   c10::SmallVector<bool, 2> discard;      // per Output: value not produced by this node when split
   const char* replace_op = nullptr;       // run this overload instead ("aten::sum.dim_IntList")
   bool needs_total_weight = false;        // NLL mean: output 1 is computed by a pre-pass over targets
+  bool expand = false;                    // (with a failure) the planner can replace the node by nodes
+                                          // over passes of the batch (batch norm in training mode)
   bool no_draws = false;                  // tagged random, but this call draws nothing (dropout_p = 0)
   bool writes_unchanged = false;          // its written operands keep their values in this call (batch
                                           // norm in eval mode "writes" its running statistics)

@@ -2,8 +2,11 @@
 // the last dims) and GroupNorm normalize each sample by itself: the output and the saved statistics
 // keep the batch, and the weight and bias gradients sum over it, P(+) (batch_split_theory.md §3.5,
 // §4 row 12). GroupNorm's N argument is the batch: rewritten to the chunk's rows. BatchNorm in eval
-// mode is per-channel affine with replicated running statistics; in training mode its statistics
-// span the whole batch, which needs passes over it (the next issue): it runs whole.
+// mode is per-channel affine with replicated running statistics. In training mode its statistics
+// span the whole batch: the rule asks the planner to expand the node (plan/synth.cpp) into a
+// statistics pass (lazymem::bn_moments, merged exactly), the finish and running-statistics update
+// once, and the normalization per chunk; its backward likewise into a pass summing the gradient and
+// its product with the centered input, then the input's gradient per chunk (ops/split_ops.cpp).
 #include "ops/rule_util.h"
 
 namespace lazymem::rules {
@@ -109,6 +112,13 @@ bool group_norm_backward(const RuleCall& c, RuleResult& r) {
   return true;
 }
 
+// A training batch norm over the batch: the planner expands it into passes (plan/synth.cpp).
+bool expand(RuleResult& r, const Place& p) {
+  if (p.dim != 0 || p.outer != 1) return fail(r, "batch norm over a batch that is not dim 0");
+  r.expand = true;
+  return fail(r, "batch norm in training mode needs the whole batch's statistics (expanded into passes)");
+}
+
 bool training(const RuleCall& c, int arg) {
   return !c.args[arg].isBool() || c.args[arg].toBool();
 }
@@ -118,10 +128,10 @@ bool training(const RuleCall& c, int arg) {
 bool batch_norm(const RuleCall& c, RuleResult& r) {
   if (nothing_batched(c)) return replicated(c, r);
   const bool legit = c.op.operator_name().name == "aten::_native_batch_norm_legit_no_training";
-  if (!legit && training(c, 5)) return fail(r, "batch norm in training mode needs the whole batch's statistics");
   auto p = batch_of(c, r, {0}, 1);
   if (!p) return false;
   if (!p->is_s()) return replicated(c, r);
+  if (!legit && training(c, 5)) return expand(r, *p);
   r.writes_unchanged = true; // running statistics are updated in training mode only
   // The saved statistics are placeholders in eval mode: every chunk's are the same.
   for (size_t j = 0; j < c.outs.size(); ++j) r.outs[j] = c.outs[j].ret == 0 ? *p : Place::P(Reduce::kNone);
@@ -132,12 +142,60 @@ bool batch_norm(const RuleCall& c, RuleResult& r) {
 //   save_invstd, train, eps, mask) -> (grad_input, grad_weight, grad_bias)
 bool batch_norm_backward(const RuleCall& c, RuleResult& r) {
   if (nothing_batched(c)) return replicated(c, r);
-  if (training(c, 7)) return fail(r, "batch norm in training mode needs the whole batch's statistics");
   auto p = batch_of(c, r, {0, 1}, 1);
   if (!p) return false;
   if (!p->is_s()) return replicated(c, r);
+  if (training(c, 7)) return expand(r, *p);
   grad_outputs(c, r, *p);
   return true;
+}
+
+// ---- the ops a training batch norm expands into (ops/split_ops.cpp) ----
+
+// Elements per batch row of a [N, C, ...] operand sharded as `p`, per channel.
+int64_t per_row(const Operand& x, int64_t batch) {
+  int64_t numel = 1;
+  for (int64_t s : x.sizes) numel *= s;
+  return x.sizes.size() < 2 || x.sizes[1] == 0 || batch == 0 ? 0 : numel / x.sizes[1] / batch;
+}
+
+// bn_moments(x, dtype) -> [2, C], merged over chunks.
+bool bn_moments(const RuleCall& c, RuleResult& r) {
+  if (nothing_batched(c)) return replicated(c, r);
+  auto p = batch_of(c, r, {0}, 1);
+  if (!p) return false;
+  if (!p->is_s()) return replicated(c, r);
+  r.outs[0] = Place::P(Reduce::kMoments);
+  r.finalize[0].kind = Finalize::kMoments;
+  r.finalize[0].per_row = per_row(c.ins[0], c.batch);
+  return true;
+}
+
+// bn_backward_reduce(grad_out, x, mean, dtype) -> [2, C], summed over chunks.
+bool bn_backward_reduce(const RuleCall& c, RuleResult& r) {
+  if (nothing_batched(c)) return replicated(c, r);
+  auto p = batch_of(c, r, {0, 1}, 1);
+  if (!p) return false;
+  if (!p->is_s()) return replicated(c, r);
+  r.outs[0] = Place::P(Reduce::kSum);
+  return true;
+}
+
+// bn_apply(x, mean, invstd, weight, bias) and bn_backward_elemt(grad_out, x, ...): per sample.
+template <int... Args>
+bool bn_rows(const RuleCall& c, RuleResult& r) {
+  if (nothing_batched(c)) return replicated(c, r);
+  auto p = batch_of(c, r, {Args...}, 1);
+  if (!p) return false;
+  if (!p->is_s()) return replicated(c, r);
+  r.outs[0] = *p;
+  return true;
+}
+
+// bn_finish, bn_update_running, bn_backward_params: per-channel values, run once.
+bool bn_once(const RuleCall& c, RuleResult& r) {
+  if (nothing_batched(c)) return replicated(c, r);
+  return fail(r, "a per-channel batch norm value carries the batch");
 }
 
 const bool registered = [] {
@@ -148,6 +206,12 @@ const bool registered = [] {
   register_placement_rules("norm", {"aten::native_batch_norm", "aten::_native_batch_norm_legit_no_training"},
                            &batch_norm);
   register_placement_rules("norm", {"aten::native_batch_norm_backward"}, &batch_norm_backward);
+  register_placement_rules("norm", {"lazymem::bn_moments"}, &bn_moments);
+  register_placement_rules("norm", {"lazymem::bn_backward_reduce"}, &bn_backward_reduce);
+  register_placement_rules("norm", {"lazymem::bn_apply"}, &bn_rows<0>);
+  register_placement_rules("norm", {"lazymem::bn_backward_elemt"}, &bn_rows<0, 1>);
+  register_placement_rules("norm", {"lazymem::bn_finish", "lazymem::bn_update_running", "lazymem::bn_backward_params"},
+                           &bn_once);
   return true;
 }();
 

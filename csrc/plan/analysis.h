@@ -62,6 +62,7 @@ struct Analysis {
   int64_t batch = 0;
   std::vector<std::string> notes;
   size_t barriers = 0;
+  std::vector<Expansion> expansions;  // program nodes replaced by synthesized ones (expand_node)
   // Nodes that must run whole (a meta probe on the chunk's shapes disagreed with their rule).
   std::unordered_map<const Node*, std::string> forced_barriers;
 
@@ -90,6 +91,11 @@ bool apply_outcome(Analysis& a, int32_t i);
 // NLL with a mean reduction, split: nodes computing its total weight from the targets alone, made
 // to run before it (the tw pass). Returns false if they cannot be made (the NLL node then runs whole).
 bool synthesize_total_weight(Analysis& a, int32_t nll);
+
+// A node whose rule asks for expansion (RuleResult::expand: batch norm in training mode), replaced
+// by synthesized nodes over passes of the batch that produce its defs and writes. False (nothing
+// changed) when they cannot be made or placed.
+bool expand_node(Analysis& a, int32_t i);
 
 // Assigns each running node a stage: even = whole (run once), odd = chunk loop. Returns the number
 // of stages, or -1 (with a note) if a partial value would have to cross a loop.

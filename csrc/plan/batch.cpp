@@ -249,6 +249,7 @@ void propagate(Analysis& a, const std::vector<Candidate>& seeds) {
   for (int32_t i : order) {
     a.nodes[i].discard.assign(a.nodes[i].node->defs.size(), false);
     settle(a, i);
+    if (a.nodes[i].barrier && a.nodes[i].rr.expand && expand_node(a, i)) continue;
     if (a.nodes[i].rr.needs_total_weight && !synthesize_total_weight(a, i)) {
       make_barrier(a, i, "its total weight could not be computed ahead");
       apply(a, i);

@@ -98,6 +98,7 @@ struct Accumulator {
   Finalize::Kind finalize = Finalize::kNone;
   double divisor = 1.0;          // kDivConst
   LazyBuffer* divide_by = nullptr; // kDivOutput: a buffer finished before this one
+  int64_t per_row = 0;           // Reduce::kMoments: elements each batch row contributes
 };
 
 // A batch-sharded buffer given full storage for the whole loop: written (or read) chunk by chunk
@@ -125,8 +126,21 @@ struct Stage {
   }
 };
 
+// A program node the planner replaced by synthesized ones (batch norm in training mode). If the plan
+// stops early (out of memory) with some of them not run, the node is put back pending; if its
+// `effect` (the running statistics' update) already ran, with that effect neutralized: argument
+// `neutral_arg` set to `neutral` (momentum 0) and its writes turned into reads of what was written.
+struct Expansion {
+  int32_t index = -1;                 // the node's position in the detached program
+  std::vector<const Node*> made;      // the synthesized nodes (owned by the plan)
+  const Node* effect = nullptr;
+  int32_t neutral_arg = -1;
+  double neutral = 0.0;
+};
+
 struct Plan {
   std::vector<Stage> stages;
+  std::vector<Expansion> expansions;
   std::vector<LazyBuffer*> release_unused; // dead values no executed node touches
   std::vector<int32_t> retained;           // segment indices of nodes put back pending (not destroyed)
   size_t eliminated = 0;

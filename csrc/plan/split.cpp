@@ -158,6 +158,7 @@ class SplitBuilder {
         for (size_t j = 0; j < ni.node->defs.size() && !t; ++j) {
           if (exec_final_[ni.def_buf[j]] > ni.node->defs[j].ref.version) t = true;
         }
+        if (x >= static_cast<int32_t>(in_.nodes.size())) t = true; // synthesized: never put back
         tainted[x] = t;
       }
       bool changed = false;
@@ -485,6 +486,7 @@ class SplitBuilder {
           const Finalize& f = dn.rr.finalize[j];
           acc.finalize = f.kind;
           acc.divisor = f.value;
+          acc.per_row = f.per_row;
           if (f.kind == Finalize::kDivOutput) {
             acc.divide_by = dn.node->defs[f.output].ref.buf.get();
             last[a_.index.at(acc.divide_by)] = {si, st.nodes.size()}; // read when the loop ends
@@ -522,6 +524,9 @@ class SplitBuilder {
         plan_.release_unused.push_back(bi.buf);
       }
     }
+    for (const Expansion& e : a_.expansions) {
+      if (e.index < static_cast<int32_t>(in_.nodes.size())) plan_.expansions.push_back(e);
+    }
     plan_.executed_nodes = a_.order.size();
     plan_.eliminated = in_.nodes.size() - std::min(in_.nodes.size(), a_.order.size() + plan_.retained.size());
   }
@@ -553,13 +558,13 @@ class SplitBuilder {
       plan_.predicted_peak = model.peak(plan_, &where);
       model.annotate(plan_);
       if (ok && (forced > 0 || in_.budget < 0 || plan_.predicted_peak <= in_.budget)) return true;
-      // Results and surviving values assembled on the device do not fit: the largest goes to host
-      // memory (a result larger than the budget is assembled there and downloaded from there).
+      // Values stored whole on the device do not fit: the largest goes to host memory (a result
+      // larger than the budget is assembled there and downloaded from there; a value crossing passes
+      // is written there and read back chunk by chunk).
       FullStore* biggest = nullptr;
       for (Stage& st : plan_.stages) {
         for (FullStore& f : st.stores) {
-          const BufInfo& bi = a_.bufs[a_.index.at(f.buf)];
-          if (f.host || !(bi.needed || bi.live)) continue;
+          if (f.host) continue;
           if (!biggest || f.buf->nbytes.load() > biggest->buf->nbytes.load()) biggest = &f;
         }
       }

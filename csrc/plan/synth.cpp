@@ -5,6 +5,13 @@
 // first (batch_split_theory.md §3.3, the targets pre-pass), writing the very buffer the NLL node
 // would have produced, so the loss is the chunks' summed losses over it and the backward runs in the
 // same loop as the forward with eager's per-row formula. All targets ignored gives 0/0 = NaN, as eager.
+//
+// Batch norm in training mode (§3.1): expand_node replaces the node by a statistics pass
+// (lazymem::bn_moments per chunk, merged by Chan's update), the saved statistics and the running
+// statistics' update run once, and the normalization per chunk; its backward by a pass summing
+// grad_out and grad_out * (x - mean), the weight and bias gradients once, and the input's gradient
+// per chunk (ops/split_ops.cpp). The synthesized nodes write the very buffers (and versions) the
+// node would have, so everything downstream is unchanged.
 #include "plan/analysis.h"
 
 #include <algorithm>
@@ -31,15 +38,24 @@ c10::OperatorHandle op(const char* name, const char* overload) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
 }
 
-// A node of `o` reading `ins` (argument position, reference) with scalar `args` filled in, defining
-// `out` (a fresh plan-local buffer unless given).
+// Nodes synthesized for the node `serves`: each reads `ins` (argument position, reference), defines
+// `outs` (return position, reference: a fresh plan-local buffer or one of the served node's defs) and
+// writes `writes` (uses with write versions). commit() puts them in the program before a node and
+// gives them placements; on any barrier or conflict it takes them all out again.
 struct Builder {
   Analysis& a;
   const Node& serves;
   std::vector<int32_t> made;
 
-  TensorRef node(const c10::OperatorHandle& o, std::vector<c10::IValue> args,
-                 std::vector<std::pair<int32_t, TensorRef>> ins, const TensorMeta& out_meta, BufferPtr out = {}) {
+  static TensorRef fresh(const TensorMeta& m) {
+    BufferPtr b = c10::make_intrusive<LazyBuffer>(m.extent_bytes());
+    b->version = std::max<uint32_t>(b->version, 1);
+    return TensorRef{b, m, 1};
+  }
+
+  int32_t node(const c10::OperatorHandle& o, std::vector<c10::IValue> args,
+               std::vector<std::pair<int32_t, TensorRef>> ins, std::vector<std::pair<int32_t, TensorRef>> outs,
+               std::vector<Use> writes = {}) {
     auto n = std::make_unique<Node>(o);
     n->seq = serves.seq;
     n->site = serves.site;
@@ -51,15 +67,57 @@ struct Builder {
       u.ref = ref;
       n->uses.push_back(std::move(u));
     }
-    if (!out) out = c10::make_intrusive<LazyBuffer>(out_meta.extent_bytes());
-    out->version = std::max<uint32_t>(out->version, 1);
-    n->defs.push_back(Def{0, -1, TensorRef{out, out_meta, 1}});
-    TensorRef result{out, out_meta, 1};
+    for (Use& w : writes) n->uses.push_back(std::move(w));
+    for (auto& [ret, ref] : outs) n->defs.push_back(Def{ret, -1, ref});
     int32_t i = a.add_node(n.get());
     a.nodes[i].runs = true;
     a.owned.push_back(std::move(n));
     made.push_back(i);
-    return result;
+    return i;
+  }
+
+  TensorRef one(const c10::OperatorHandle& o, std::vector<c10::IValue> args,
+                std::vector<std::pair<int32_t, TensorRef>> ins, const TensorMeta& out_meta, BufferPtr out = {}) {
+    TensorRef r = out ? TensorRef{out, out_meta, 1} : fresh(out_meta);
+    if (out) out->version = std::max<uint32_t>(out->version, 1);
+    node(o, std::move(args), std::move(ins), {{0, r}});
+    return r;
+  }
+
+  Expansion expansion(int32_t index) const {
+    Expansion e;
+    e.index = index;
+    for (int32_t i : made) e.made.push_back(a.nodes[i].node);
+    return e;
+  }
+
+  // Inserts the nodes before node `before` in the run order and settles them; `loop[k]` says whether
+  // made[k] must run per chunk. False (and nothing changed) if one is a barrier or conflicts.
+  bool commit(int32_t before, const std::vector<bool>& loop) {
+    std::vector<std::pair<int32_t, BufInfo>> saved;
+    for (int32_t i : made) {
+      const NodeInfo& ni = a.nodes[i];
+      for (int32_t b : ni.def_buf) saved.emplace_back(b, a.bufs[b]);
+      for (size_t k = 0; k < ni.use_buf.size(); ++k) {
+        if (ni.node->uses[k].write) saved.emplace_back(ni.use_buf[k], a.bufs[ni.use_buf[k]]);
+      }
+    }
+    auto at = std::find(a.order.begin(), a.order.end(), before);
+    a.order.insert(at, made.begin(), made.end());
+    for (int32_t i : made) a.nodes[i].serves = before;
+    bool ok = true;
+    for (size_t k = 0; k < made.size() && ok; ++k) {
+      evaluate(a, made[k]);
+      const NodeInfo& ni = a.nodes[made[k]];
+      ok = !ni.barrier && ni.loop == loop[k] && apply_outcome(a, made[k]);
+    }
+    if (ok) return true;
+    for (int32_t i : made) {
+      a.nodes[i].runs = false;
+      a.order.erase(std::find(a.order.begin(), a.order.end(), i));
+    }
+    for (auto it = saved.rbegin(); it != saved.rend(); ++it) a.bufs[it->first] = it->second;
+    return false;
   }
 };
 
@@ -88,41 +146,162 @@ bool synthesize_total_weight(Analysis& a, int32_t nll) {
   const c10::IntArrayRef tsizes = target->ref.meta.sizes;
   Builder b{a, n, {}};
   c10::IValue none;
-  TensorRef valid = b.node(op("aten::ne", "Scalar"), {none, c10::IValue(ignore)}, {{0, target->ref}},
-                           contiguous(tsizes, c10::kBool));
+  TensorRef valid = b.one(op("aten::ne", "Scalar"), {none, c10::IValue(ignore)}, {{0, target->ref}},
+                          contiguous(tsizes, c10::kBool));
   TensorRef counted = valid;
   if (weight) {
     // w[t] where the target is valid, 0 elsewhere (ignored targets may be out of the weight's range).
-    TensorRef safe = b.node(op("aten::where", "ScalarOther"), {none, none, c10::IValue(int64_t{0})},
-                            {{0, valid}, {1, target->ref}}, contiguous(tsizes, target->ref.meta.dtype));
-    TensorRef wt = b.node(op("aten::take", ""), {none, none}, {{0, weight->ref}, {1, safe}},
-                          contiguous(tsizes, weight->ref.meta.dtype));
-    counted = b.node(op("aten::mul", "Tensor"), {none, none}, {{0, wt}, {1, valid}}, contiguous(tsizes, dtype));
+    TensorRef safe = b.one(op("aten::where", "ScalarOther"), {none, none, c10::IValue(int64_t{0})},
+                           {{0, valid}, {1, target->ref}}, contiguous(tsizes, target->ref.meta.dtype));
+    TensorRef wt = b.one(op("aten::take", ""), {none, none}, {{0, weight->ref}, {1, safe}},
+                         contiguous(tsizes, weight->ref.meta.dtype));
+    counted = b.one(op("aten::mul", "Tensor"), {none, none}, {{0, wt}, {1, valid}}, contiguous(tsizes, dtype));
   }
-  b.node(op("aten::sum", ""), {none, c10::IValue(dtype)}, {{0, counted}}, tw.ref.meta, tw.ref.buf);
-  // They run right before the NLL node, in this order.
-  auto at = std::find(a.order.begin(), a.order.end(), nll);
-  a.order.insert(at, b.made.begin(), b.made.end());
-  for (int32_t i : b.made) a.nodes[i].serves = nll;
-  // The NLL node no longer produces the total weight when split.
+  b.one(op("aten::sum", ""), {none, c10::IValue(dtype)}, {{0, counted}}, tw.ref.meta, tw.ref.buf);
+  // They run right before the NLL node, which no longer produces the total weight when split.
   a.nodes[nll].discard[1] = true;
-  bool ok = true;
-  for (int32_t i : b.made) {
-    evaluate(a, i);
-    if (a.nodes[i].barrier || !a.nodes[i].loop || !apply_outcome(a, i)) {
-      ok = false;
-      break;
-    }
-  }
-  ok = ok && a.bufs[a.index.at(tw.ref.buf.get())].place.is_p();
-  if (!ok) {
-    for (int32_t i : b.made) {
-      a.nodes[i].runs = false;
-      a.order.erase(std::find(a.order.begin(), a.order.end(), i));
-    }
-    a.nodes[nll].discard[1] = false;
-  }
+  const bool ok = b.commit(nll, std::vector<bool>(b.made.size(), true)) &&
+      a.bufs[a.index.at(tw.ref.buf.get())].place.is_p();
+  if (!ok) a.nodes[nll].discard[1] = false;
   return ok;
+}
+
+namespace {
+
+const Def* def_at(const Node& n, int32_t ret) {
+  for (const Def& d : n.defs) {
+    if (d.ret == ret && d.elem < 0) return &d;
+  }
+  return nullptr;
+}
+
+// The value of argument `arg` for a synthesized node: its use (a lazymem tensor), else the
+// argument itself (None, or a host constant).
+void pass_arg(const Node& n, int32_t arg, std::vector<c10::IValue>& args,
+              std::vector<std::pair<int32_t, TensorRef>>& ins, int32_t to) {
+  if (const Use* u = use_at(n, arg)) {
+    ins.emplace_back(to, u->ref);
+  } else {
+    args[to] = n.args[arg];
+  }
+}
+
+double float_arg(const c10::IValue& v) {
+  return v.isDouble() ? v.toDouble() : v.isSymFloat() ? v.toSymFloat().guard_float(__FILE__, __LINE__) : 0.0;
+}
+
+TensorMeta stats_meta(int64_t channels, c10::ScalarType dtype) {
+  const int64_t sizes[] = {2, channels};
+  return contiguous(sizes, dtype);
+}
+
+// native_batch_norm(x, weight, bias, running_mean!, running_var!, training, momentum, eps)
+//   -> (out, save_mean, save_invstd)
+bool expand_forward(Analysis& a, int32_t i) {
+  const Node& n = *a.nodes[i].node;
+  const Use* x = use_at(n, 0);
+  const Use* rm = use_at(n, 3);
+  const Use* rv = use_at(n, 4);
+  const Def* out = def_at(n, 0);
+  const Def* mean = def_at(n, 1);
+  const Def* invstd = def_at(n, 2);
+  if (!x || !out || !mean || !invstd || x->ref.meta.sizes.size() < 2 || (rm == nullptr) != (rv == nullptr)) return false;
+  if ((rm && !rm->write) || (rv && !rv->write) || n.uses.size() > 5) return false;
+  const int64_t channels = x->ref.meta.sizes[1];
+  if (mean->ref.meta.numel() != channels || invstd->ref.meta.numel() != channels) return false;
+  const int64_t count = channels == 0 ? 0 : x->ref.meta.numel() / channels;
+  const double momentum = float_arg(n.args[6]), eps = float_arg(n.args[7]);
+  const c10::ScalarType dtype = mean->ref.meta.dtype;
+  c10::IValue none;
+  Builder b{a, n, {}};
+  std::vector<bool> loop;
+  TensorRef stats = b.one(op("lazymem::bn_moments", ""), {none, c10::IValue(dtype)}, {{0, x->ref}},
+                          stats_meta(channels, dtype));
+  loop.push_back(true);
+  b.node(op("lazymem::bn_finish", ""), {none, c10::IValue(eps)}, {{0, stats}}, {{0, mean->ref}, {1, invstd->ref}});
+  loop.push_back(false);
+  int32_t effect = -1;
+  if (rm) {
+    Use wm = *rm, wv = *rv;
+    wm.arg = 0;
+    wv.arg = 1;
+    effect = b.node(op("lazymem::bn_update_running", ""), {none, none, none, c10::IValue(momentum), c10::IValue(count)},
+                    {{2, stats}}, {}, {wm, wv});
+    loop.push_back(false);
+  }
+  std::vector<c10::IValue> args(5);
+  std::vector<std::pair<int32_t, TensorRef>> ins{{0, x->ref}, {1, mean->ref}, {2, invstd->ref}};
+  pass_arg(n, 1, args, ins, 3);
+  pass_arg(n, 2, args, ins, 4);
+  b.node(op("lazymem::bn_apply", ""), std::move(args), std::move(ins), {{0, out->ref}});
+  loop.push_back(true);
+  if (!b.commit(i, loop)) return false;
+  Expansion e = b.expansion(i);
+  if (effect >= 0) {
+    e.effect = a.nodes[effect].node;
+    e.neutral_arg = 6; // momentum 0: the running statistics stay as they are
+  }
+  a.expansions.push_back(std::move(e));
+  return true;
+}
+
+// native_batch_norm_backward(grad_out, x, weight, running_mean, running_var, save_mean, save_invstd,
+//   train, eps, output_mask) -> (grad_input, grad_weight, grad_bias)
+bool expand_backward(Analysis& a, int32_t i) {
+  const Node& n = *a.nodes[i].node;
+  const Use* g = use_at(n, 0);
+  const Use* x = use_at(n, 1);
+  const Use* mean = use_at(n, 5);
+  const Use* invstd = use_at(n, 6);
+  if (!g || !x || !mean || !invstd || x->ref.meta.sizes.size() < 2) return false;
+  const int64_t channels = x->ref.meta.sizes[1];
+  if (mean->ref.meta.numel() != channels || invstd->ref.meta.numel() != channels) return false;
+  const int64_t count = channels == 0 ? 0 : x->ref.meta.numel() / channels;
+  const c10::ScalarType dtype = mean->ref.meta.dtype;
+  const Def* gi = def_at(n, 0);
+  const Def* gw = def_at(n, 1);
+  const Def* gb = def_at(n, 2);
+  c10::IValue none;
+  Builder b{a, n, {}};
+  std::vector<bool> loop;
+  TensorRef red = b.one(op("lazymem::bn_backward_reduce", ""), {none, none, none, c10::IValue(dtype)},
+                        {{0, g->ref}, {1, x->ref}, {2, mean->ref}}, stats_meta(channels, dtype));
+  loop.push_back(true);
+  if (gw || gb) {
+    std::vector<std::pair<int32_t, TensorRef>> outs;
+    if (gw) outs.emplace_back(0, gw->ref);
+    if (gb) outs.emplace_back(1, gb->ref);
+    b.node(op("lazymem::bn_backward_params", ""), {none, none}, {{0, red}, {1, invstd->ref}}, std::move(outs));
+    loop.push_back(false);
+  }
+  if (gi) {
+    std::vector<c10::IValue> args{none, none, none, none, none, none, c10::IValue(count)};
+    std::vector<std::pair<int32_t, TensorRef>> ins{{0, g->ref}, {1, x->ref}, {2, mean->ref}, {3, invstd->ref}};
+    pass_arg(n, 2, args, ins, 4);
+    ins.emplace_back(5, red);
+    b.node(op("lazymem::bn_backward_elemt", ""), std::move(args), std::move(ins), {{0, gi->ref}});
+    loop.push_back(true);
+  }
+  if (!b.commit(i, loop)) return false;
+  a.expansions.push_back(b.expansion(i));
+  return true;
+}
+
+} // namespace
+
+bool expand_node(Analysis& a, int32_t i) {
+  const std::string& name = a.nodes[i].node->op.schema().name();
+  bool ok = false;
+  if (name == "aten::native_batch_norm") ok = expand_forward(a, i);
+  if (name == "aten::native_batch_norm_backward") ok = expand_backward(a, i);
+  if (!ok) return false;
+  // The node itself no longer runs: its defs and writes are the synthesized nodes'.
+  NodeInfo& ni = a.nodes[i];
+  ni.runs = false;
+  ni.barrier = false;
+  ni.loop = false;
+  a.order.erase(std::find(a.order.begin(), a.order.end(), i));
+  return true;
 }
 
 } // namespace lazymem

@@ -2,6 +2,7 @@
 #include "sync/sync.h"
 
 #include <algorithm>
+#include <unordered_set>
 #include <chrono>
 #include <cstdio>
 #include <atomic>
@@ -19,6 +20,10 @@
 
 namespace lazymem {
 namespace {
+
+// Plans made again after running out of memory, per sync. Each one learns at least the refused
+// allocation or runs part of the program, so a few suffice; chunks retry on their own (executor).
+constexpr int kMaxReplans = 4;
 
 std::mutex g_flush_mu;
 thread_local bool t_in_flush = false;
@@ -72,25 +77,58 @@ void record_stats(const Plan& plan, const ExecOutcome& out) {
 
 // Puts back, in program order, every node the plan leaves pending: the ones it retains and, after an
 // out-of-memory error, every node that did not complete.
-size_t put_back(Segment& seg, const Plan& plan, const ExecOutcome& out) {
+size_t put_back(Segment& seg, Plan& plan, const ExecOutcome& out) {
   std::vector<int32_t> back(plan.retained.begin(), plan.retained.end());
+  std::vector<NodePtr> synthesized; // each takes the place (and seq) of the node it was made for
   if (out.oom) {
+    std::unordered_set<const Node*> undone;
     for (size_t s = out.stage; s < plan.stages.size(); ++s) {
       const Stage& st = plan.stages[s];
       size_t first = (s == out.stage && !st.loop) ? out.node : 0;
       for (size_t p = first; p < st.nodes.size(); ++p) {
+        undone.insert(st.nodes[p].node);
         if (st.nodes[p].index >= 0) back.push_back(st.nodes[p].index); // synthesized nodes are remade
       }
     }
+    // A node replaced by synthesized ones that did not all run: the one that did not run is pending
+    // in its place (it reads what the others wrote), or, when several did not, the node itself is
+    // again, without an effect of it that already ran (the running statistics' update).
+    for (const Expansion& e : plan.expansions) {
+      std::vector<const Node*> left;
+      for (const Node* m : e.made) {
+        if (undone.count(m)) left.push_back(m);
+      }
+      if (left.empty()) continue;
+      if (left.size() == 1) {
+        for (NodePtr& o : plan.owned) {
+          if (o.get() == left[0]) synthesized.push_back(std::move(o));
+        }
+        continue;
+      }
+      back.push_back(e.index);
+      if (e.effect && !undone.count(e.effect)) {
+        Node& n = *seg.nodes[e.index];
+        n.args[e.neutral_arg] = c10::IValue(e.neutral);
+        for (Use& u : n.uses) {
+          if (!u.write) continue;
+          u.write = false;
+          u.write_only = false;
+          u.ref.version = u.write_version;
+        }
+      }
+    }
   }
-  if (back.empty()) return 0;
+  if (back.empty() && synthesized.empty()) return 0;
   std::sort(back.begin(), back.end());
   back.erase(std::unique(back.begin(), back.end()), back.end());
   std::vector<NodePtr> nodes;
-  nodes.reserve(back.size());
+  nodes.reserve(back.size() + synthesized.size());
   for (int32_t i : back) nodes.push_back(std::move(seg.nodes[i]));
+  for (NodePtr& n : synthesized) nodes.push_back(std::move(n));
+  std::stable_sort(nodes.begin(), nodes.end(), [](const NodePtr& x, const NodePtr& y) { return x->seq < y->seq; });
+  const size_t count = nodes.size();
   Program::get().restore_prefix(std::move(nodes));
-  return back.size();
+  return count;
 }
 
 // Undoes an execution that ran out of memory and was restartable: drops what it wrote and puts
@@ -125,9 +163,11 @@ void remember(const Plan& plan, const ExecOutcome& out, double ms, double plan_m
 }
 
 // Plans and runs a detached segment. Caller holds the flush lock. Returns true when it ran out of
-// memory because a kernel needed more workspace than the memory model knew: everything not done is
-// pending again and a new plan, which now knows it, may fit (`may_retry`; otherwise it raises).
-bool run_segment(Segment& seg, const SyncRequest& req, bool may_retry) {
+// memory and should be planned again (`attempt` < kMaxReplans; otherwise it raises): everything not
+// done is pending again, and a new plan may fit — the model learned the failing kernel's workspace,
+// the run made progress (what is left is smaller), or it is the first failure (memory another
+// process held for a moment, an injected failure).
+bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   PlanInput in;
   in.nodes.reserve(seg.nodes.size());
   for (const auto& n : seg.nodes) in.nodes.push_back(n.get());
@@ -146,10 +186,11 @@ bool run_segment(Segment& seg, const SyncRequest& req, bool may_retry) {
   if (config().debug >= 2) std::fprintf(stderr, "[lazymem] %s", plan.to_string(/*nodes=*/true).c_str());
   ExecOutcome out = execute(plan);
   record_stats(plan, out);
+  stats().oom_retries.fetch_add(out.chunk_retries, std::memory_order_relaxed);
   // Out of memory because a kernel needed more workspace than known: a new plan knows it now. From
   // the start when nothing irreversible ran (the leaves are still there to split by), else from
   // where it stopped.
-  const bool retry = out.oom && out.oom_learned && may_retry;
+  const bool retry = out.oom && attempt < kMaxReplans && (out.oom_learned || out.executed > 0 || attempt == 0);
   size_t pending = retry && out.restartable ? put_back_all(seg, out.epoch) : put_back(seg, plan, out);
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   const double plan_ms = std::chrono::duration<double, std::milli>(planned - t0).count();
@@ -162,8 +203,8 @@ bool run_segment(Segment& seg, const SyncRequest& req, bool may_retry) {
   }
   if (retry) {
     if (config().debug) {
-      std::fprintf(stderr, "[lazymem] out of memory at %s: its workspace was larger than known; planning again %s\n",
-                   out.oom_site.c_str(), out.restartable ? "from the start" : "from there");
+      std::fprintf(stderr, "[lazymem] out of memory at %s; planning again %s\n", out.oom_site.c_str(),
+                   out.restartable ? "from the start" : "from there");
     }
     return true;
   }
@@ -186,10 +227,6 @@ bool run_segment(Segment& seg, const SyncRequest& req, bool may_retry) {
   return false;
 }
 
-// Plans made again after a kernel's workspace turned out larger than known, per sync. Each one
-// learns at least the refused allocation, so a few suffice; the chunk-level retry is finer.
-constexpr int kMaxReplans = 4;
-
 } // namespace
 
 void sync(const SyncRequest& req) {
@@ -201,7 +238,7 @@ void sync(const SyncRequest& req) {
   for (int attempt = 0;; ++attempt) {
     Segment seg = Program::get().take_prefix(req.upto);
     if (seg.nodes.empty()) return;
-    if (!run_segment(seg, req, attempt < kMaxReplans)) return;
+    if (!run_segment(seg, req, attempt)) return;
     stats().oom_retries.fetch_add(1, std::memory_order_relaxed);
   }
 }

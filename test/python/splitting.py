@@ -15,6 +15,19 @@ import torch_lazymem
 from torch_lazymem.testing import force_chunks
 
 ORDERS = ("step_then_item", "item_first")
+B = 10  # the tests' batch: chunks of 2, 3 and 8 leave a ragged last chunk
+
+
+def batch_of(*shape: int, classes: int) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """Per step, a float64 batch of B samples of `shape` and class targets, seeded by the step."""
+    def make(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(B, *shape, generator=g, dtype=torch.float64), torch.randint(0, classes, (B,), generator=g)
+    return make
+
+
+def ce(model: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(b[0]), b[1])
 
 
 def to_lazy(batch: Any) -> Any:

@@ -13,20 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from splitting import ORDERS, train_split
-
-B = 10
-
-
-def batch_of(*shape, classes):
-    def make(step):
-        g = torch.Generator().manual_seed(step)
-        return torch.randn(B, *shape, generator=g, dtype=torch.float64), torch.randint(0, classes, (B,), generator=g)
-    return make
-
-
-def ce(model, b):
-    return F.cross_entropy(model(b[0]), b[1])
+from splitting import ORDERS, B, batch_of, ce, train_split
 
 
 def mlp():
@@ -43,6 +30,31 @@ class GroupNormCNN(nn.Module):
 
     def forward(self, x):
         return self.head(torch.flatten(self.features(x), 1))
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c, momentum=None)
+
+    def forward(self, x):
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+class BatchNormResNet(nn.Module):
+    """ResNet-style: a BatchNorm stem, a residual block (one BN with momentum=None, i.e. a cumulative
+    average), an affine-free BatchNorm1d in the head. Batch norm in training mode splits in passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+        self.block = ResidualBlock(8)
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(8 * 4 * 4, 16), nn.BatchNorm1d(16, affine=False), nn.ReLU(),
+                                  nn.Linear(16, 10))
+
+    def forward(self, x):
+        return self.head(F.max_pool2d(self.block(self.stem(x)), 2))
 
 
 def transformer_block():
@@ -75,6 +87,7 @@ CASES = {
     "mlp": (mlp, batch_of(20, classes=5), ce),
     "mlp_mse": (mlp, batch_of(20, classes=5), lambda m, b: F.mse_loss(m(b[0]), F.one_hot(b[1], 5).double())),
     "cnn_groupnorm": (GroupNormCNN, batch_of(3, 8, 8, classes=10), ce),
+    "resnet_batchnorm": (BatchNormResNet, batch_of(3, 8, 8, classes=10), ce),
     "transformer_block": (transformer_block, batch_of(6, 16, classes=7),
                           lambda m, b: F.cross_entropy(m(b[0]).mean(1), b[1])),
     "token_transformer_prenorm": (TokenTransformer, token_batch, ce),
