@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import _C  # noqa: F401 - loads the core library: guard, allocator, hooks and kernels register
+from ._progress import report as _report_progress
 from ._registration import register as _register
 from .api import (
     backing_device,
@@ -48,6 +49,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 _register()
+_C._set_progress_callback(_report_progress)
 
 from . import testing  # noqa: E402,F401  (needs the registered device)
 

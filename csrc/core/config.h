@@ -56,6 +56,8 @@ struct Config {
   std::atomic<int64_t> memory_budget{-1};
   // > 0: split every materialization into this many chunks, memory permitting or not (testing).
   std::atomic<int64_t> force_chunks{0};
+  // A materialization expected to take longer than this shows progress (FlushHooks::progress).
+  std::atomic<double> progress_after_seconds{2.0};
 };
 Config& config();
 

@@ -36,6 +36,9 @@ struct FlushHooks {
   std::function<std::string()> explain;
   // Where the op being recorded was called from (installed by the Python bindings; debug mode only).
   std::function<std::string()> recording_site;
+  // Progress of a materialization expected to run long: chunks done of the plan's total, then once
+  // with `finished` (installed by the Python bindings: a tqdm bar on a terminal).
+  std::function<void(int64_t done, int64_t total, bool finished)> progress;
 };
 FlushHooks& flush_hooks();
 inline void flush_until(uint64_t seq) {

@@ -2,6 +2,7 @@
 #include "execute/executor.h"
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <optional>
 
@@ -50,6 +51,11 @@ class Walker {
  public:
   explicit Walker(const Plan& plan) : plan_(plan) {
     out_.epoch = g_epochs.fetch_add(1, std::memory_order_relaxed) + 1;
+    for (const Stage& st : plan.stages) total_chunks_ += st.loop ? st.chunks() : 0;
+  }
+
+  ~Walker() {
+    if (progress_shown_ && flush_hooks().progress) flush_hooks().progress(chunks_done_, total_chunks_, true);
   }
 
   ExecOutcome run() {
@@ -180,26 +186,15 @@ class Walker {
       }
     }
     Binder binder(st);
-    for (int64_t start = 0; start < st.batch; start += st.chunk) {
-      const int64_t rows = std::min(st.chunk, st.batch - start);
-      binder.begin_chunk(start, rows);
-      for (const PlannedNode& pn : st.nodes) {
-        if (!run_node(pn, binder, rows)) {
-          binder.end_chunk();
-          abandon_loop(st);
-          return false;
-        }
-        for (int32_t slot : pn.accumulate) {
-          if (!st.slots[slot].buf->poison) binder.accumulate(slot);
-        }
-        for (int32_t slot : pn.free_slots) binder.free_slot(slot);
+    int64_t chunk = st.chunk;
+    std::vector<char> none(st.slots.size(), 0);
+    for (int64_t start = 0; start < st.batch;) {
+      const int64_t rows = std::min(chunk, st.batch - start);
+      if (!run_chunk(st, binder, start, rows, none, chunk)) {
+        abandon_loop(st);
+        return false;
       }
-      binder.end_chunk();
-      if (config().debug >= 3) {
-        std::fprintf(stderr, "[lazymem]   chunk at row %lld done: %lld bytes allocated, %lld held by buffers\n",
-                     static_cast<long long>(start), static_cast<long long>(device_counter().allocated()),
-                     static_cast<long long>(resident_bytes()));
-      }
+      start += rows;
     }
     for (const Accumulator& a : st.accs) {
       LazyBuffer& b = *a.buf;
@@ -222,6 +217,94 @@ class Walker {
     return true;
   }
 
+  // Runs rows [start, start + rows) of a loop as one chunk, accumulating partials except the slots in
+  // `skip` (already holding these rows' contribution). Out of memory inside it: when re-running these
+  // rows changes nothing but what they compute (no row written in place into a stored value, no
+  // random draws from a generator's stream), they run again in chunks half the size, skipping the
+  // partials already accumulated for them, and `chunk` stays that small for the rest of the loop.
+  // Random ops draw by row, so the retried rows get the same numbers. False if it cannot recover.
+  bool run_chunk(const Stage& st, Binder& binder, int64_t start, int64_t rows, const std::vector<char>& skip,
+                 int64_t& chunk) {
+    std::vector<char> done = skip;
+    bool redoable = true;
+    binder.begin_chunk(start, rows);
+    bool ok = true;
+    for (const PlannedNode& pn : st.nodes) {
+      if (!run_node(pn, binder, rows)) {
+        ok = false;
+        break;
+      }
+      redoable = redoable && redoable_node(pn);
+      for (int32_t slot : pn.accumulate) {
+        if (done[slot] || st.slots[slot].buf->poison) continue;
+        try {
+          binder.accumulate(slot);
+        } catch (const c10::OutOfMemoryError&) {
+          out_.oom = std::current_exception();
+          out_.oom_site = "accumulating the partial of b" + std::to_string(st.slots[slot].buf->id);
+          ok = false;
+          break;
+        }
+        done[slot] = 1;
+      }
+      if (!ok) break;
+      for (int32_t slot : pn.free_slots) binder.free_slot(slot);
+    }
+    binder.end_chunk();
+    if (ok) report_progress();
+    if (config().debug >= 3 && ok) {
+      std::fprintf(stderr, "[lazymem]   chunk at row %lld done: %lld bytes allocated, %lld held by buffers\n",
+                   static_cast<long long>(start), static_cast<long long>(device_counter().allocated()),
+                   static_cast<long long>(resident_bytes()));
+    }
+    if (ok) return true;
+    if (rows <= 1 || !redoable) return false;
+    const int64_t smaller = (rows + 1) / 2;
+    chunk = std::min(chunk, smaller);
+    ++out_.chunk_retries;
+    if (config().debug) {
+      std::fprintf(stderr, "[lazymem] out of memory at %s in the chunk of %lld rows at row %lld: running its rows "
+                   "again in chunks of %lld\n", out_.oom_site.c_str(), static_cast<long long>(rows),
+                   static_cast<long long>(start), static_cast<long long>(smaller));
+    }
+    out_.oom = nullptr;
+    out_.oom_site.clear();
+    out_.oom_learned = false;
+    for (int64_t s = start; s < start + rows; s += smaller) {
+      if (!run_chunk(st, binder, s, std::min(smaller, start + rows - s), done, chunk)) return false;
+    }
+    return true;
+  }
+
+  // After each chunk: once the run is expected to take longer than progress_after_seconds, reports
+  // chunks done (at most ten times a second).
+  void report_progress() {
+    ++chunks_done_;
+    if (!flush_hooks().progress) return;
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
+    if (!progress_shown_) {
+      const double expected = elapsed / static_cast<double>(chunks_done_) * static_cast<double>(total_chunks_);
+      if (expected < config().progress_after_seconds.load(std::memory_order_relaxed)) return;
+      progress_shown_ = true;
+    } else if (elapsed - last_report_ < 0.1 && chunks_done_ < total_chunks_) {
+      return;
+    }
+    last_report_ = elapsed;
+    flush_hooks().progress(std::min(chunks_done_, total_chunks_), std::max(total_chunks_, chunks_done_), false);
+  }
+
+  // Whether running `pn` for a chunk's rows again gives the same state: it writes no rows of a stored
+  // value in place from their old contents and draws no random numbers from a generator's stream.
+  static bool redoable_node(const PlannedNode& pn) {
+    const Node& n = *pn.node;
+    if (n.effectful || (n.random && pn.rng_block == 0 && !n.row_keyed)) return false;
+    for (size_t k = 0; k < n.uses.size() && k < pn.uses.size(); ++k) {
+      const Use& u = n.uses[k];
+      if (u.write && !u.write_only && pn.uses[k].bind == Bind::kNarrow) return false;
+    }
+    return true;
+  }
+
   // A loop that ran out of memory restarts as a whole: what it assembled or accumulated goes.
   void abandon_loop(const Stage& st) {
     for (const Accumulator& a : st.accs) a.buf->drop_real();
@@ -234,16 +317,23 @@ class Walker {
   const bool counting_ = backing_device().is_cpu(); // the counting allocator sees every byte
   int64_t node_peak_ = 0;
   int64_t node_start_ = 0; // device bytes allocated when the running node started
+  const std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
+  int64_t total_chunks_ = 0;
+  int64_t chunks_done_ = 0;
+  bool progress_shown_ = false;
+  double last_report_ = 0;
 };
 
 } // namespace
 
 ExecOutcome execute(const Plan& plan) {
   device_counter().reset_window_peak();
+  device_counter().start_injection();
   ReplayScope scope;
   std::optional<c10::DeviceGuard> device_guard;
   if (!backing_device().is_cpu()) device_guard.emplace(backing_device());
   ExecOutcome out = Walker(plan).run();
+  device_counter().stop_injection();
   out.peak = backing_device().is_cpu() ? device_counter().window_peak() : resident_bytes();
   return out;
 }

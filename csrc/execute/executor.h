@@ -3,9 +3,11 @@
 // through the binder, accumulate partials after their last write in each chunk, and finish the
 // accumulators when the loop ends. Each buffer is released right after its last use.
 //
-// Failure semantics. Out of memory: execution stops; the outcome says where, so that sync/ puts
-// every node that has not completed back in the program (a loop that fails restarts as a whole: its
-// storages and accumulators are dropped), and nothing is lost. Any other error: the failing node's
+// Failure semantics. Out of memory inside a chunk: its rows run again in smaller chunks when that
+// is safe (see Walker::run_chunk), the smaller size kept for the rest of the loop. Otherwise
+// execution stops; the outcome says where, so that sync/ puts every node that has not completed
+// back in the program (a loop that fails restarts as a whole: its storages and accumulators are
+// dropped), and nothing is lost. Any other error: the failing node's
 // outputs (and everything computed from them) are poisoned, the rest runs, and the first error is
 // reported; later reads of a poisoned value raise the same error.
 #pragma once
@@ -26,6 +28,7 @@ struct ExecOutcome {
   size_t stage = 0;                  // with oom: the stage that did not complete...
   size_t node = 0;                   // ...and, for a whole stage, its first node that did not run
   bool oom_learned = false;          // with oom: the failing node's workspace was more than known
+  size_t chunk_retries = 0;          // chunks that ran out of memory and ran again in smaller chunks
   // With oom: every completed node only wrote buffers this execution created (stamped `epoch`) and
   // drew no random numbers from a generator's stream, so dropping those buffers and running the
   // whole program again is the same as never having run it.

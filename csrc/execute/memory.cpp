@@ -29,6 +29,14 @@ void MemoryCounter::charge(size_t n) {
   int64_t bytes = static_cast<int64_t>(n);
   int64_t now = allocated_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
   int64_t cap = capacity_.load(std::memory_order_relaxed);
+  if (countdown_.load(std::memory_order_relaxed) > 0 && countdown_.fetch_sub(1, std::memory_order_relaxed) == 1) {
+    allocated_.fetch_sub(bytes, std::memory_order_relaxed);
+    injected_.fetch_add(1, std::memory_order_relaxed);
+    int64_t q = node_peak_.load(std::memory_order_relaxed);
+    while (now > q && !node_peak_.compare_exchange_weak(q, now)) {}
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "lazymem: ", name_, " out of memory (injected by "
+                     "torch_lazymem.testing.fail_allocation). Tried to allocate ", format_bytes(bytes), ".");
+  }
   if (cap >= 0 && now > cap) {
     allocated_.fetch_sub(bytes, std::memory_order_relaxed);
     // The node peak includes the refused request: what the node tried to hold, for learning.

@@ -30,6 +30,12 @@ class MemoryCounter {
   int64_t node_peak() const { return node_peak_.load(std::memory_order_relaxed); }
   void reset_node_peak() { node_peak_.store(allocated(), std::memory_order_relaxed); }
   const char* name() const { return name_; }
+  // Fault injection (torch_lazymem.testing.fail_allocation): the n-th allocation charged after
+  // start_injection() raises torch.OutOfMemoryError as if past the capacity; n = 0 disarms.
+  void arm_failure(int64_t n) { armed_.store(n, std::memory_order_relaxed); }
+  void start_injection() { countdown_.store(armed_.exchange(0, std::memory_order_relaxed), std::memory_order_relaxed); }
+  void stop_injection() { countdown_.store(0, std::memory_order_relaxed); }
+  int64_t injected() const { return injected_.load(std::memory_order_relaxed); }
 
  private:
   const char* name_;
@@ -38,6 +44,9 @@ class MemoryCounter {
   std::atomic<int64_t> window_peak_{0};
   std::atomic<int64_t> node_peak_{0};
   std::atomic<int64_t> capacity_{-1};
+  std::atomic<int64_t> armed_{0};
+  std::atomic<int64_t> countdown_{0};
+  std::atomic<int64_t> injected_{0}; // failures injected so far
 };
 
 MemoryCounter& device_counter(); // lazymem's backing device (the simulated GPU)

@@ -210,6 +210,30 @@ PYBIND11_MODULE(_C, m) {
   m.def("_worker_allocations", worker_allocations);
   m.def("_workspace_entries", [] { return Workspace::get().size(); });
   m.def("_clear_workspace", [] { Workspace::get().clear(); });
+  m.def("_set_progress_callback", [](py::object fn) {
+    static py::object* callback = new py::object(); // never destroyed: called until exit
+    *callback = fn;
+    if (fn.is_none()) {
+      flush_hooks().progress = nullptr;
+      return;
+    }
+    flush_hooks().progress = [](int64_t done, int64_t total, bool finished) {
+      if (!Py_IsInitialized()) return;
+      py::gil_scoped_acquire gil;
+      try {
+        (*callback)(done, total, finished);
+      } catch (py::error_already_set& e) {
+        e.discard_as_unraisable("torch_lazymem progress callback");
+      }
+    };
+  });
+  m.def("_set_progress_after_seconds", [](double s) { config().progress_after_seconds = s; });
+  m.def("_progress_after_seconds", [] { return config().progress_after_seconds.load(); });
+  m.def("_fail_allocation", [](int64_t n) {
+    TORCH_CHECK(n >= 0, "lazymem: fail_allocation expects n >= 1 (or 0 to disarm), got ", n);
+    device_counter().arm_failure(n);
+  });
+  m.def("_injected_failures", [] { return device_counter().injected(); });
 
   m.def("_explain", [] { return flush_hooks().explain ? flush_hooks().explain() : std::string(); });
 

@@ -73,6 +73,20 @@ def force_chunks(n: int) -> Iterator[None]:
         _C._set_force_chunks(previous)
 
 
+def fail_allocation(n: int) -> None:
+    """Makes the ``n``-th device allocation of the next materialization fail with
+    ``torch.OutOfMemoryError``, as if the device were full at that moment (fault injection for the
+    out-of-memory retry; ``injected_failures()`` counts the failures that fired)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"lazymem: fail_allocation expects a positive allocation number, got {n!r}")
+    _C._fail_allocation(n)
+
+
+def injected_failures() -> int:
+    """Allocation failures injected by fail_allocation() that fired, since the process started."""
+    return int(_C._injected_failures())
+
+
 def eager_memory_allocated() -> int:
     """Bytes allocated under memory_cap() and still alive."""
     return int(_C._eager_allocated())

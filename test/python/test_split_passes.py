@@ -1,0 +1,209 @@
+"""Plans with several passes over the batch (batch_split_theory.md §3.1, §5): batch norm in training
+mode expanded into a statistics pass (per-chunk mean and variance merged with Chan's update), the
+running statistics updated once, and the normalization per chunk; its backward into a pass for the
+sums its gradient needs. Split vs unsplit in float64 at assert_close defaults, with force_chunks 2, 3,
+8 (a batch of 10: ragged chunks) and under a simulated device; out-of-memory retries of chunks by
+fault injection (torch_lazymem.testing.fail_allocation)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from splitting import B, assert_state_close, batch_of, ce, train_split
+
+import torch_lazymem
+from torch_lazymem.testing import (
+    fail_allocation,
+    force_chunks,
+    injected_failures,
+    memory_cap,
+    simulated_device,
+)
+
+
+def batch(*shape):
+    return batch_of(*shape, classes=5)
+
+
+NORMS = {
+    "bn1d_features": (lambda: nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 5)), batch(6)),
+    "bn1d_sequence": (lambda: nn.Sequential(nn.Conv1d(3, 4, 3), nn.BatchNorm1d(4), nn.Flatten(), nn.Linear(4 * 5, 5)),
+                      batch(3, 7)),
+    "bn2d_momentum_none": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=None), nn.ReLU(),
+                                                 nn.Flatten(), nn.Linear(4 * 4 * 4, 5)), batch(3, 6, 6)),
+    "bn3d_no_affine": (lambda: nn.Sequential(nn.Conv3d(2, 3, 2), nn.BatchNorm3d(3, affine=False), nn.Flatten(),
+                                             nn.Linear(3 * 8, 5)), batch(2, 3, 3, 3)),
+    "bn_no_running_stats": (lambda: nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8, track_running_stats=False),
+                                                  nn.Linear(8, 5)), batch(6)),
+}
+
+
+@pytest.mark.parametrize("chunks", [2, 3, 8])
+@pytest.mark.parametrize("name", list(NORMS))
+def test_training_batch_norm_splits_exactly(name, chunks):
+    make, data = NORMS[name]
+    stats = train_split(make, data, ce, chunks, steps=3)
+    # every step split, in more than one pass, and batch norm was no barrier
+    assert stats["splits"] >= 3 and stats["passes"] >= 2 and stats["barriers"] == 0
+
+
+def test_eval_after_split_training_uses_the_merged_running_statistics():
+    make, data = NORMS["bn2d_momentum_none"]
+    torch.manual_seed(0)
+    eager = make().double()
+    lazy = copy.deepcopy(eager).to("lazymem")
+    for step in range(3):
+        x, t = data(step)
+        ce(eager, (x, t)).backward()
+        with force_chunks(3):
+            ce(lazy, (x.to("lazymem"), t.to("lazymem"))).backward()
+    eager.eval()
+    lazy.eval()
+    x, _ = data(7)
+    with force_chunks(3):
+        torch.testing.assert_close(lazy(x.to("lazymem")).cpu(), eager(x))
+    assert_state_close(eager, lazy)
+    assert int(lazy[1].num_batches_tracked.item()) == 3
+
+
+class BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                                  nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.head = nn.Linear(16 * 16 * 16, 10)
+
+    def forward(self, x):
+        return self.head(self.body(x).flatten(1))
+
+
+def test_batch_norm_training_fits_a_device_eager_runs_out_of():
+    torch.manual_seed(0)
+    model = BNNet().double()
+    x, t = torch.randn(64, 3, 16, 16, dtype=torch.float64), torch.randint(0, 10, (64,))
+    cap = "12MiB"
+    eager = copy.deepcopy(model)
+    with memory_cap(cap), pytest.raises(torch.OutOfMemoryError):
+        ce(eager, (x, t)).backward()
+    ref = copy.deepcopy(model)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ce(ref, (x, t)).backward()
+    opt_r.step()
+    with simulated_device(cap):
+        lazy = copy.deepcopy(model).to("lazymem")
+        opt = torch.optim.SGD(lazy.parameters(), lr=0.1)
+        torch_lazymem.reset_stats()
+        loss = ce(lazy, (x.to("lazymem"), t.to("lazymem")))
+        loss.backward()
+        opt.step()
+        loss.item()
+        s = torch_lazymem.stats()
+        assert s["splits"] >= 1 and s["passes"] >= 3 and s["barriers"] == 0
+        assert s["peak_bytes"] <= torch_lazymem.testing.parse_bytes(cap)
+        assert_state_close(ref, lazy)
+
+
+def one_step_after_failure(model, data, n):
+    """One split AdamW step of a copy of `model` with the n-th allocation of its materialization
+    failing. Returns (loss, state) and whether the failure fired."""
+    lazy = copy.deepcopy(model).to("lazymem")
+    opt = torch.optim.AdamW(lazy.parameters(), lr=1e-2)
+    torch.lazymem.synchronize()
+    before = injected_failures()
+    with force_chunks(3):
+        if n:
+            fail_allocation(n)
+        loss = ce(lazy, (data[0].to("lazymem"), data[1].to("lazymem")))
+        loss.backward()
+        opt.step()
+        value = loss.item()
+    state = {k: v.cpu() for k, v in lazy.state_dict().items()}
+    state.update({f"exp_avg.{i}": opt.state[p]["exp_avg"].cpu() for i, p in enumerate(lazy.parameters())})
+    return value, state, injected_failures() > before
+
+
+def test_out_of_memory_at_every_allocation_of_a_split_step_is_retried():
+    """Fails each allocation of a split BatchNorm + AdamW step in turn (every one until the step has
+    no n-th allocation): the step completes with the losses, parameters, running statistics and
+    optimizer state of the run without a failure — bitwise when the failure was outside a chunk
+    loop (the same kernels run again), within float64 tolerance when a chunk was retried smaller."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(4 * 6 * 6, 5)).double()
+    data = (torch.randn(B, 3, 6, 6, dtype=torch.float64), torch.randint(0, 5, (B,)))
+    ref_loss, ref_state, _ = one_step_after_failure(model, data, 0)
+    torch_lazymem.reset_stats()
+    fired = bitwise = 0
+    for n in range(1, 1001):
+        loss, state, hit = one_step_after_failure(model, data, n)
+        if not hit:
+            break
+        fired += 1
+        torch.testing.assert_close(loss, ref_loss, msg=lambda m, n=n: f"loss after failing allocation {n}: {m}")
+        for k, v in state.items():
+            torch.testing.assert_close(v, ref_state[k], msg=lambda m, n=n, k=k: f"{k} after failing allocation {n}: {m}")
+        bitwise += loss == ref_loss and all(torch.equal(v, ref_state[k]) for k, v in state.items())
+    assert fired > 50, "the step makes more allocations than that"
+    assert 0 < bitwise < fired
+    assert torch_lazymem.stats()["oom_retries"] >= fired
+
+
+def test_a_failure_in_a_chunk_of_one_row_plans_again():
+    x = torch.randn(4, 8, dtype=torch.float64)
+    w = torch.randn(8, 8, dtype=torch.float64)
+    with force_chunks(4):
+        y = (x.to("lazymem") @ w.to("lazymem")).relu().sum()
+        fail_allocation(1)
+        # a chunk of one row cannot shrink: the program is planned again from the start and completes
+        assert y.item() == pytest.approx((x @ w).relu().sum().item())
+
+
+def test_a_long_materialization_reports_its_chunks():
+    calls = []
+    previous = torch_lazymem._C._progress_after_seconds()
+    torch_lazymem._C._set_progress_callback(lambda done, total, finished: calls.append((done, total, finished)))
+    torch_lazymem._C._set_progress_after_seconds(0.0)  # every run counts as long
+    try:
+        x = torch.randn(8, 16, dtype=torch.float64)
+        with force_chunks(4):
+            (x.to("lazymem") * 2).relu().sum().item()
+    finally:
+        torch_lazymem._C._set_progress_after_seconds(previous)
+        torch_lazymem._C._set_progress_callback(torch_lazymem._progress.report)
+    assert calls[0] == (1, 4, False) and calls[-2:] == [(4, 4, False), (4, 4, True)]
+    assert [c[0] for c in calls] == sorted(c[0] for c in calls)
+
+
+class FakeTerminal:
+    def __init__(self, tty: bool) -> None:
+        self.tty, self.text = tty, ""
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, s: str) -> int:
+        self.text += s
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("tty,env,shown", [(True, None, True), (False, None, False), (True, "0", False)])
+def test_the_progress_bar_shows_on_a_terminal_unless_disabled(monkeypatch, tty, env, shown):
+    pytest.importorskip("tqdm")
+    term = FakeTerminal(tty)
+    monkeypatch.setattr("sys.stderr", term)
+    if env is None:
+        monkeypatch.delenv("LAZYMEM_PROGRESS", raising=False)
+    else:
+        monkeypatch.setenv("LAZYMEM_PROGRESS", env)
+    report = torch_lazymem._progress.report
+    report(1, 3, False)
+    report(3, 3, False)
+    report(3, 3, True)
+    assert ("3/3" in term.text) == shown
+    assert torch_lazymem._progress._bar is None
