@@ -1,0 +1,281 @@
+"""Batch-splitting benchmark: lazymem vs eager on the simulated memory-capped device, in one run.
+
+Two models in float32 — an MLP (256-1024-1024-10) and a small transformer classifier (token
+embedding, two pre-norm nn.TransformerEncoderLayer, mean pooling, linear head; 64 tokens of width
+64) — each in inference (``torch.no_grad()``, logits read with ``.cpu()``) and training (forward,
+cross-entropy, ``backward``, AdamW ``step``, ``zero_grad``, ``loss.item()``). Eager runs under
+``memory_cap(capacity)`` with its model, optimizer state and batch on the "device"; lazymem runs the
+same unmodified step under ``simulated_device(capacity)`` with the batch uploaded from host memory.
+
+(a) Eager's largest fitting batch B_e is found (doubling, then bisection to 1/32); both run it and
+    the ratio eager time / lazymem time per step is the throughput ratio (goals: >= 0.97 inference,
+    >= 0.95 training).
+(b) lazymem runs batches of 2, 4, ... up to --max-factor times B_e (a batch that fails ends the search);
+    the largest it completes, and its throughput per sample relative to eager's at B_e (goals:
+    >= 32x the batch, >= 0.9 of the throughput).
+(c) For every lazymem step timed: the memory model's predicted peak vs the measured peak, and the
+    measured peak vs the capacity (goal: within +-2%; never above the capacity).
+(d) Planning time per node (torch_lazymem.stats() plan_ns / nodes_planned) over the timed steps.
+
+A lazymem loss that differs from eager's beyond float32 tolerance (split results equal unsplit up to
+reassociation) is flagged. Steps are timed after warm-up (lazymem's first steps pay meta inference
+and learn kernel workspace), interleaved with eager's, median of --steps. Like bench_train.py, the
+script re-executes itself with glibc's malloc thresholds raised (a caching allocator on both sides).
+
+    PYTHONPATH=. python tools/bench_split.py [--quick] [--steps 5] [--max-factor 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import os
+import statistics
+import sys
+import time
+import warnings
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_train import reexec_for_malloc  # noqa: E402
+
+import torch_lazymem  # noqa: E402
+from torch_lazymem.testing import eager_max_memory_allocated, memory_cap, simulated_device  # noqa: E402
+
+MiB = 1 << 20
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, vocab: int = 512, seq: int = 64, d: int = 64, heads: int = 4, layers: int = 2,
+                 classes: int = 10) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        layer = nn.TransformerEncoderLayer(d, heads, dim_feedforward=4 * d, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(ids) + self.pos).mean(1))
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    model: Callable[[], nn.Module]
+    inputs: Callable[[int, torch.Generator], torch.Tensor]
+    capacity: int
+    training: bool
+
+    def batch(self, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return self.inputs(rows, g), torch.randint(0, 10, (rows,), generator=g)
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+CASES = [
+    Case("MLP inference", mlp, lambda n, g: torch.randn(n, 256, generator=g), 16 * MiB, False),
+    Case("MLP training", mlp, lambda n, g: torch.randn(n, 256, generator=g), 32 * MiB, True),
+    Case("transformer inference", TinyTransformer, lambda n, g: torch.randint(0, 512, (n, 64), generator=g),
+         16 * MiB, False),
+    Case("transformer training", TinyTransformer, lambda n, g: torch.randint(0, 512, (n, 64), generator=g),
+         32 * MiB, True),
+]
+
+
+class Runner:
+    """One side (eager or lazymem) of a case: its model and optimizer live on the capped device."""
+
+    def __init__(self, case: Case, base: nn.Module, lazy: bool) -> None:
+        self.case, self.lazy = case, lazy
+        with self.cap():
+            self.model = copy.deepcopy(base).to("lazymem") if lazy else copy.deepcopy(base)
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3) if case.training else None
+            if lazy:
+                torch.lazymem.synchronize()
+        self.model.train(case.training)
+
+    def cap(self) -> contextlib.AbstractContextManager[None]:
+        return simulated_device(self.case.capacity) if self.lazy else memory_cap(self.case.capacity)
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+        """One step under the cap; returns the loss (training) or the logits' sum (inference)."""
+        with self.cap():
+            x, y = (t.to("lazymem") for t in batch) if self.lazy else (t.clone() for t in batch)
+            if not self.case.training:
+                with torch.no_grad():
+                    return float(self.model(x).cpu().double().sum())
+            loss = F.cross_entropy(self.model(x), y)
+            loss.backward()
+            assert self.opt is not None
+            self.opt.step()
+            self.opt.zero_grad()
+            return loss.item()
+
+    def peak(self) -> int:
+        return torch.lazymem.max_memory_allocated() if self.lazy else eager_max_memory_allocated()
+
+    def reset_peak(self) -> None:
+        if self.lazy:
+            torch.lazymem.reset_peak_memory_stats()
+
+
+def completes(case: Case, base: nn.Module, rows: int, lazy: bool) -> bool:
+    """True if two steps of `rows` (the second with the optimizer state resident) fit the capacity."""
+    try:
+        r = Runner(case, base, lazy)
+        for s in range(2 if case.training else 1):
+            r.step(case.batch(rows, s))
+        if lazy and r.peak() > case.capacity:
+            raise AssertionError(f"lazymem peak {r.peak()} above the capacity {case.capacity}")
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        torch.lazymem.synchronize()
+
+
+def largest_eager(case: Case, base: nn.Module) -> int:
+    lo, hi = 0, 16
+    while completes(case, base, hi, lazy=False):
+        lo, hi = hi, hi * 2
+    while hi - lo > max(1, lo // 32):
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if completes(case, base, mid, lazy=False) else (lo, mid)
+    return lo
+
+
+@dataclasses.dataclass
+class Timing:
+    eager_ms: float | None
+    lazy_ms: float
+    chunks: int
+    predicted_vs_measured: list[float]   # per timed lazymem step: predicted / measured peak
+    peak_vs_capacity: float               # highest measured / capacity
+    plan_us_per_node: float
+    loss_close: bool
+
+
+def time_steps(case: Case, base: nn.Module, rows: int, steps: int, with_eager: bool) -> Timing:
+    lazy = Runner(case, base, lazy=True)
+    eager = Runner(case, base, lazy=False) if with_eager else None
+    warm = 2
+    e_ms: list[float] = []
+    l_ms: list[float] = []
+    ratios: list[float] = []
+    worst_peak = 0
+    chunks = 0
+    loss_close = True
+    plan_ns = nodes = 0
+    for s in range(warm + steps):
+        batch = case.batch(rows, s)
+        order = (True, False) if s % 2 else (False, True)
+        for is_lazy in order:
+            if not is_lazy and eager is None:
+                continue
+            r = lazy if is_lazy else eager
+            assert r is not None
+            r.reset_peak()
+            torch_lazymem.reset_stats()
+            t0 = time.perf_counter()
+            value = r.step(batch)
+            if is_lazy:
+                torch.lazymem.synchronize()
+            ms = (time.perf_counter() - t0) * 1e3
+            if s < warm:
+                if is_lazy:
+                    lazy_value = value
+                else:
+                    eager_value = value
+                continue
+            if is_lazy:
+                st = torch_lazymem.stats()
+                l_ms.append(ms)
+                ratios.append(st["predicted_peak_bytes"] / max(1, st["peak_bytes"]))
+                worst_peak = max(worst_peak, r.peak())
+                chunks = max(chunks, st["chunks"] if st["splits"] else 1)
+                plan_ns += st["plan_ns"]
+                nodes += st["nodes_planned"]
+            else:
+                e_ms.append(ms)
+        if s == 0 and eager is not None:
+            loss_close = abs(lazy_value - eager_value) <= 1e-4 * abs(eager_value) + 1e-4
+    return Timing(statistics.median(e_ms) if e_ms else None, statistics.median(l_ms), chunks, ratios,
+                  worst_peak / case.capacity, plan_ns / 1e3 / max(1, nodes), loss_close)
+
+
+def fmt_ratio(x: float, goal: float) -> str:
+    return f"{x:.2f}{'' if x >= goal else ' (miss)'}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps, max factor 8")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--max-factor", type=int, default=64)
+    parser.add_argument("--no-malloc-tuning", action="store_true")
+    args = parser.parse_args()
+    reexec_for_malloc(not args.no_malloc_tuning)
+    warnings.simplefilter("ignore")
+    steps = 3 if args.quick else args.steps
+    max_factor = 8 if args.quick else args.max_factor
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, simulated device; "
+          f"median of {steps} steps after 2 warm-up steps\n")
+    rows_a, rows_b, rows_c = [], [], []
+    for case in CASES:
+        torch.manual_seed(0)
+        base = case.model()
+        b_e = largest_eager(case, base)
+        a = time_steps(case, base, b_e, steps, with_eager=True)
+        assert a.eager_ms is not None
+        ratio_a = a.eager_ms / a.lazy_ms
+        rows_a.append(f"| {case.name} | {case.capacity // MiB} MiB | {b_e} | {a.eager_ms:.1f} | {a.lazy_ms:.1f} "
+                      f"| {a.chunks} | {fmt_ratio(ratio_a, 0.95 if case.training else 0.97)} "
+                      f"| {'yes' if a.loss_close else 'NO'} |")
+        best, factor = None, 2
+        while factor <= max_factor and completes(case, base, b_e * factor, lazy=True):
+            best, factor = factor, factor * 2
+        if best is None:
+            rows_b.append(f"| {case.name} | {b_e} | - | - | - | - |")
+            timings = [a]
+        else:
+            b = time_steps(case, base, b_e * best, steps, with_eager=False)
+            per_sample = (a.eager_ms / b_e) / (b.lazy_ms / (b_e * best))
+            limit = " (the bench's limit)" if best * 2 > max_factor else ""
+            rows_b.append(f"| {case.name} | {b_e} | {b_e * best}{limit} | {fmt_ratio(best, 32)}x | {b.chunks} "
+                          f"| {fmt_ratio(per_sample, 0.9)} |")
+            timings = [a, b]
+        for label, t in zip(("eager's largest", "lazymem's largest"), timings):
+            r = t.predicted_vs_measured
+            rows_c.append(f"| {case.name}, {label} | {len(r)} | {min(r):.3f} | {statistics.median(r):.3f} | "
+                          f"{max(r):.3f} | {t.peak_vs_capacity:.3f} | {t.plan_us_per_node:.2f} |")
+        sys.stdout.write(".")
+        sys.stdout.flush()
+    print("\n\n(a) at eager's largest fitting batch: time per step, throughput ratio eager ms / lazymem ms "
+          "(goals >= 0.97 inference, >= 0.95 training)\n")
+    print("| case | capacity | batch | eager ms | lazymem ms | chunks | ratio | loss close |\n|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows_a))
+    print(f"\n(b) largest batch under the same capacity (lazymem tried up to {max_factor}x eager's), throughput "
+          "per sample at each side's largest (goals >= 32x, >= 0.9)\n")
+    print("| case | eager largest | lazymem largest | batch ratio | chunks | per-sample throughput ratio |"
+          "\n|---|---|---|---|---|---|")
+    print("\n".join(rows_b))
+    print("\n(c) predicted / measured peak per timed lazymem step (goal 0.98-1.02), highest measured peak / "
+          "capacity (must be <= 1), and (d) planning time per node\n")
+    print("| run | steps | min | median | max | peak / capacity | planning us/node |\n|---|---|---|---|---|---|---|")
+    print("\n".join(rows_c))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
