@@ -3,9 +3,15 @@
 
 #include <cstdio>
 
+#include <cmath>
+
+#include <ATen/TensorOperators.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/hypot.h>
+#include <ATen/ops/logaddexp.h>
 #include <ATen/ops/maximum.h>
 #include <ATen/ops/minimum.h>
+#include <ATen/ops/pow.h>
 
 #include "core/check.h"
 #include "core/config.h"
@@ -15,6 +21,21 @@
 
 namespace lazymem {
 namespace {
+
+// acc = the p-norm of the rows behind `acc` and those behind `part` (both p-norms, nonnegative):
+// (acc^p + part^p)^(1/p). New values are computed aside, then copied, so an allocation failure
+// leaves the accumulator as it was.
+void merge_norms(at::Tensor& acc, const at::Tensor& part, double p) {
+  if (std::isinf(p)) {
+    acc.copy_(p > 0 ? at::maximum(acc, part) : at::minimum(acc, part));
+  } else if (p == 0 || p == 1) {
+    acc.copy_(acc + part);
+  } else if (p == 2) {
+    acc.copy_(at::hypot(acc, part));
+  } else {
+    acc.copy_(at::pow(at::pow(acc, p) + at::pow(part, p), 1.0 / p));
+  }
+}
 
 using Taken = c10::SmallVector<const c10::StorageImpl*, 8>;
 
@@ -275,6 +296,12 @@ void Binder::accumulate(int32_t slot) {
       mean.copy_(m);
       break;
     }
+    case Reduce::kLogSumExp:
+      acc.copy_(at::logaddexp(acc, p));
+      break;
+    case Reduce::kNorm:
+      merge_norms(acc, p, a.ord);
+      break;
     case Reduce::kNone:
       acc.copy_(p); // idempotent partials (every chunk computes the same value)
       break;

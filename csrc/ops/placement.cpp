@@ -83,6 +83,10 @@ const char* reduce_name(Reduce r) {
       return "min";
     case Reduce::kMoments:
       return "moments";
+    case Reduce::kLogSumExp:
+      return "logsumexp";
+    case Reduce::kNorm:
+      return "norm";
     case Reduce::kNone:
       break;
   }

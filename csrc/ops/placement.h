@@ -26,9 +26,11 @@
 
 namespace lazymem {
 
-// kMoments: [2, C] (biased variance, mean) of each chunk, merged by Chan's update with the rows'
-// element counts (batch norm's statistics pass).
-enum class Reduce : uint8_t { kNone, kSum, kMax, kMin, kMoments };
+// kMoments: [2, ...] (biased variance, mean) of each chunk, merged by Chan's update with the rows'
+// element counts (batch norm's statistics pass, variance over the batch). kLogSumExp: each chunk's
+// log-sum-exp, merged by logaddexp. kNorm: each chunk's p-norm, merged as (a^p + b^p)^(1/p) (hypot
+// for p = 2, max / min for p = +-inf, a sum for p = 0 and 1) with p the finish's value.
+enum class Reduce : uint8_t { kNone, kSum, kMax, kMin, kMoments, kLogSumExp, kNorm };
 const char* reduce_name(Reduce r);
 
 struct Place {
@@ -147,8 +149,10 @@ struct ArgRewrite {
 // How a partial output is finished after its loop: divided by a constant (mean over the batch as a
 // sum times 1/N) or by another output of the node, itself a sum (NLL's total weight).
 // kMoments: a Reduce::kMoments partial, complete once merged (`per_row` elements per batch row).
+// kNorm: a Reduce::kNorm partial of order `value`, complete once merged.
+// Partials with a finish are only ever read finished.
 struct Finalize {
-  enum Kind : uint8_t { kNone, kDivConst, kDivOutput, kMoments };
+  enum Kind : uint8_t { kNone, kDivConst, kDivOutput, kMoments, kNorm };
   Kind kind = kNone;
   double value = 1.0;
   int32_t output = -1;

@@ -44,7 +44,7 @@ std::optional<Place> leading_batch(const RuleCall& c, RuleResult& r, std::initia
       fail(r, "the input and target disagree on the batch");
       return std::nullopt;
     }
-    r.ins[i] = OperandMode::rows(0, found->unit);
+    r.ins[i] = OperandMode::rows(0, *found);
   }
   for (size_t i = 0; i < c.ins.size(); ++i) {
     if (r.ins[i].mode == Mode::kWhole && c.ins[i].place.is_s()) {
@@ -169,9 +169,12 @@ bool elementwise_loss(const RuleCall& c, RuleResult& r) {
 }
 
 const bool registered = [] {
-  register_placement_rules("loss", {"aten::nll_loss_forward", "aten::nll_loss2d_forward"}, &nll_forward);
-  register_placement_rules("loss", {"aten::nll_loss_backward", "aten::nll_loss2d_backward"}, &nll_backward);
-  for (const auto& [name, spec] : elementwise()) register_placement_rules("loss", {name.c_str()}, &elementwise_loss);
+  // Per-row losses: a batch flattened with outer blocks (two views of a batch concatenated) is fine.
+  register_placement_rules("loss", {"aten::nll_loss_forward", "aten::nll_loss2d_forward"}, &nll_forward, true);
+  register_placement_rules("loss", {"aten::nll_loss_backward", "aten::nll_loss2d_backward"}, &nll_backward, true);
+  for (const auto& [name, spec] : elementwise()) {
+    register_placement_rules("loss", {name.c_str()}, &elementwise_loss, /*outer_aware=*/true);
+  }
   return true;
 }();
 

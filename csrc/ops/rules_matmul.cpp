@@ -4,6 +4,9 @@
 // a contracted label makes the output partial, P(+): weight gradients `g^T x`, where each chunk's
 // product is one term of the sum over the batch. An added input (addmm's bias) is broadcast against
 // the output; with a partial output it would be added once per chunk, so only beta = 0 splits.
+// When operands carry the batch in different roles (a similarity matrix `z @ z.T`, its gradient
+// `g @ z`), the output keeps the role of the first operand whose role the output has, and operands
+// with another role are used whole: the planner stores them in an earlier pass (a gather).
 #include "ops/rule_util.h"
 
 #include <cstring>
@@ -52,17 +55,27 @@ bool matmul(const RuleCall& c, RuleResult& r) {
   if (nothing_batched(c)) return replicated(c, r);
   // The batch's label, from the sharded operands (or the demanded output dim).
   // `sh`: how the batch is sharded along its label (unit, outer), whichever dim that is.
+  // Operands carrying the batch in different roles (`z @ z.T`: rows of one, columns of the other)
+  // keep the first role that the output has; the others are used whole, gathered from an earlier pass.
   char label = 0;
   Place sh;
+  bool roles = false;
   for (const auto& [arg, labels] : s->operands) {
     const Operand* o = c.operand(arg);
     if (!o || !o->place.is_s()) continue;
     if (o->dim() != static_cast<int64_t>(std::strlen(labels))) return fail(r, "unexpected operand rank");
-    char l = labels[o->place.dim];
-    if (label && (l != label || sh != o->place.at(0))) return fail(r, "operands carry the batch in different roles");
+    const char l = labels[o->place.dim];
+    if (label && l != label) {
+      roles = true;
+      if (std::strchr(s->out, label)) continue;
+      if (!std::strchr(s->out, l)) return fail(r, "operands carry the batch in different contracted roles");
+    } else if (label && sh != o->place.at(0)) {
+      return fail(r, "operands carry the batch in the same role with different layouts");
+    }
     label = l;
     sh = o->place.at(0);
   }
+  if (roles && s->bias >= 0) return fail(r, "operands carry the batch in different roles beside an added input");
   const int64_t bias = s->bias >= 0 ? c.operand_index(s->bias) : -1;
   if (!label && bias >= 0 && c.ins[bias].place.is_s()) {
     // Only the added input carries the batch: it follows the output's dims.
@@ -82,9 +95,9 @@ bool matmul(const RuleCall& c, RuleResult& r) {
     int64_t i = c.operand_index(arg);
     if (i < 0) continue;
     const char* at = std::strchr(labels, label);
-    if (at) {
+    if (at && (!c.ins[i].place.is_s() || c.ins[i].place.dim == at - labels)) {
       r.ins[i] = OperandMode::rows(at - labels, sh);
-    } else if (c.ins[i].place.is_s()) {
+    } else if (c.ins[i].place.is_s() && !roles) {
       return fail(r, "a batch-sharded operand lacks the batch's role");
     }
   }

@@ -2,8 +2,9 @@
 // slice (a zero tensor of the input's sizes with the gradient in one slice), slice/select scatter,
 // narrow copies, repeat, cat and stack (batch_split_theory.md §4 rows 8-10, 22-24). (Views proper
 // make no node: their geometry is localized by the planner.) Along dims that are not the batch they
-// keep it, with the batch's entry of a sizes argument rewritten to the chunk's rows; along the batch
-// (a slice of rows, a concatenation of batches) they run whole.
+// keep it, with the batch's entry of a sizes argument rewritten to the chunk's rows; a slice of rows
+// along the batch runs whole (a view of some rows is read gathered), a concatenation of batches
+// along it keeps them as blocks.
 #include "ops/rule_util.h"
 
 namespace lazymem::rules {
@@ -82,8 +83,12 @@ bool repeat(const RuleCall& c, RuleResult& r) {
   return true;
 }
 
-// cat(tensors, dim) / stack(tensors, dim): every tensor keeps the batch along the same dim, which is
-// not the one they are joined along. (Legacy empty 1-D tensors, which cat skips, stay whole.)
+// cat(tensors, dim) / stack(tensors, dim): every tensor keeps the batch along the same dim. Joined
+// along another dim, the output keeps it there. cat along the batch's own dim of tensors that all
+// carry it (each `outer` blocks of every batch row, alike per row) gives a dim of blocks: its
+// `outer` is their sum, and each chunk's output is the cat of the inputs' chunks (two views of a
+// batch concatenated, as contrastive losses do). (Legacy empty 1-D tensors, which cat skips, stay
+// whole.)
 bool join(const RuleCall& c, RuleResult& r) {
   if (nothing_batched(c)) return replicated(c, r);
   const bool stack = c.op.operator_name().name == "aten::stack";
@@ -93,18 +98,22 @@ bool join(const RuleCall& c, RuleResult& r) {
   }
   const int64_t dim = wrap_dim(c.int_arg(1), stack ? rank + 1 : rank);
   std::optional<Place> p;
+  int64_t outer = 0;
   for (const Operand& o : c.ins) {
     if (!o.place.is_s()) continue;
     if (o.arg != 0) return fail(r, "an out= join");
-    if (p && *p != o.place) return fail(r, "inputs carry the batch along different dims");
+    if (p && p->at(0) != o.place.at(0) && !(p->dim == dim && o.place.dim == dim && p->unit == o.place.unit)) {
+      return fail(r, "inputs carry the batch along different dims");
+    }
     p = o.place;
+    outer += o.place.outer;
   }
   if (!p) return replicated(c, r);
+  const bool along = !stack && p->dim == dim;
   const int64_t od = stack && p->dim >= dim ? p->dim + 1 : p->dim;
-  if (!stack && p->dim == dim) return fail(r, "joins along the batch");
   int64_t rows = -1;
   for (const Operand& o : c.ins) {
-    if (o.place.is_s()) rows = o.sizes[o.place.dim];
+    if (o.place.is_s()) rows = o.sizes[o.place.dim] / o.place.outer;
   }
   for (size_t i = 0; i < c.ins.size(); ++i) {
     const Operand& o = c.ins[i];
@@ -112,10 +121,12 @@ bool join(const RuleCall& c, RuleResult& r) {
       r.ins[i] = OperandMode::whole();
       continue;
     }
-    if (o.dim() != rank || o.sizes[p->dim] != rows) return fail(r, "inputs disagree on the batch's rows");
-    r.ins[i] = OperandMode::rows(p->dim, p->unit);
+    if (along && !o.place.is_s()) return fail(r, "joins along the batch with a tensor that does not carry it");
+    const int64_t blocks = along ? o.place.outer : p->outer;
+    if (o.dim() != rank || o.sizes[p->dim] != rows * blocks) return fail(r, "inputs disagree on the batch's rows");
+    r.ins[i] = OperandMode::rows(p->dim, p->unit, blocks);
   }
-  for (auto& o : r.outs) o = Place::S(od, p->unit);
+  for (auto& o : r.outs) o = Place::S(od, p->unit, along ? outer : p->outer);
   return true;
 }
 
@@ -148,7 +159,7 @@ const bool registered = [] {
   register_placement_rules("view", {"aten::slice_scatter", "aten::select_scatter", "aten::narrow_copy"},
                            &scatter_into_slice);
   register_placement_rules("view", {"aten::repeat"}, &repeat);
-  register_placement_rules("view", {"aten::cat", "aten::stack"}, &join);
+  register_placement_rules("view", {"aten::cat", "aten::stack"}, &join, /*outer_aware=*/true);
   register_placement_rules("factory", {"aten::arange.start_out"}, &arange);
   return true;
 }();

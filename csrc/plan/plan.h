@@ -99,6 +99,7 @@ struct Accumulator {
   double divisor = 1.0;          // kDivConst
   LazyBuffer* divide_by = nullptr; // kDivOutput: a buffer finished before this one
   int64_t per_row = 0;           // Reduce::kMoments: elements each batch row contributes
+  double ord = 2.0;              // Reduce::kNorm: the norm's order
 };
 
 // A batch-sharded buffer given full storage for the whole loop: written (or read) chunk by chunk
@@ -153,6 +154,8 @@ struct Plan {
   int64_t batch = 0;                       // split: the batch's rows
   size_t barriers = 0;                     // split: nodes with batched operands that run whole
   std::vector<NodePtr> owned;              // nodes the planner synthesized (never put back)
+  uint64_t template_id = 0;                // the plan cache's entry it came from or went to (0: none)
+  bool reused = false;                     // instantiated from the plan cache (plan/reuse.h)
   // Text form: what splits and why, passes, chunks, where each batch-sharded value lives, partials
   // and their finishes; with `nodes`, every node with its bindings.
   std::string to_string(bool nodes = false) const;

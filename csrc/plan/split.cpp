@@ -487,6 +487,7 @@ class SplitBuilder {
           acc.finalize = f.kind;
           acc.divisor = f.value;
           acc.per_row = f.per_row;
+          if (f.kind == Finalize::kNorm) acc.ord = f.value;
           if (f.kind == Finalize::kDivOutput) {
             acc.divide_by = dn.node->defs[f.output].ref.buf.get();
             last[a_.index.at(acc.divide_by)] = {si, st.nodes.size()}; // read when the loop ends

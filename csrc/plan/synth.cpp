@@ -10,8 +10,10 @@
 // (lazymem::bn_moments per chunk, merged by Chan's update), the saved statistics and the running
 // statistics' update run once, and the normalization per chunk; its backward by a pass summing
 // grad_out and grad_out * (x - mean), the weight and bias gradients once, and the input's gradient
-// per chunk (ops/split_ops.cpp). The synthesized nodes write the very buffers (and versions) the
-// node would have, so everything downstream is unchanged.
+// per chunk (ops/split_ops.cpp). Softmax and log-softmax over the batch become a log-sum-exp pass
+// and the rows per chunk, their backward a summing pass and the rows; variance and standard
+// deviation a moments pass and a finish (ops/split_stats.cpp). The synthesized nodes write the very
+// buffers (and versions) the node would have, so everything downstream is unchanged.
 #include "plan/analysis.h"
 
 #include <algorithm>
@@ -158,11 +160,18 @@ bool synthesize_total_weight(Analysis& a, int32_t nll) {
     counted = b.one(op("aten::mul", "Tensor"), {none, none}, {{0, wt}, {1, valid}}, contiguous(tsizes, dtype));
   }
   b.one(op("aten::sum", ""), {none, c10::IValue(dtype)}, {{0, counted}}, tw.ref.meta, tw.ref.buf);
-  // They run right before the NLL node, which no longer produces the total weight when split.
+  // They run right before the NLL node, which no longer produces the total weight when split: per
+  // chunk when the targets carry the batch, else once (targets made on the device, `arange(B)`).
   a.nodes[nll].discard[1] = true;
-  const bool ok = b.commit(nll, std::vector<bool>(b.made.size(), true)) &&
-      a.bufs[a.index.at(tw.ref.buf.get())].place.is_p();
-  if (!ok) a.nodes[nll].discard[1] = false;
+  const bool rows = a.use_place(a.nodes[nll], static_cast<size_t>(target - n.uses.data())).is_s();
+  const int32_t total = a.index.at(tw.ref.buf.get());
+  const BufInfo before = a.bufs[total];
+  if (!rows) a.bufs[total].place = Place::R(); // (the NLL node's own outcome made it partial)
+  const bool ok = b.commit(nll, std::vector<bool>(b.made.size(), rows)) && a.bufs[total].place.is_p() == rows;
+  if (!ok) {
+    a.nodes[nll].discard[1] = false;
+    a.bufs[total] = before;
+  }
   return ok;
 }
 
@@ -287,13 +296,113 @@ bool expand_backward(Analysis& a, int32_t i) {
   return true;
 }
 
+// x's sizes with `dims` kept as 1 (the shape of a keepdim reduction), after `lead` leading dims.
+std::vector<int64_t> kept(c10::IntArrayRef sizes, const std::vector<int64_t>& dims, std::vector<int64_t> lead = {}) {
+  std::vector<int64_t> out = std::move(lead);
+  for (int64_t d = 0; d < static_cast<int64_t>(sizes.size()); ++d) {
+    out.push_back(std::find(dims.begin(), dims.end(), d) != dims.end() ? 1 : sizes[d]);
+  }
+  return out;
+}
+
+int64_t wrapped(int64_t d, size_t rank) {
+  return d < 0 ? d + std::max<int64_t>(static_cast<int64_t>(rank), 1) : d;
+}
+
+// _softmax(x, dim, half_to_float) / _log_softmax: lse = logsumexp(x, dim, keepdim) over a pass
+// (merged by logaddexp), then exp(x - lse) or x - lse per chunk.
+bool expand_softmax(Analysis& a, int32_t i, bool log) {
+  const Node& n = *a.nodes[i].node;
+  const Use* x = use_at(n, 0);
+  const Def* out = def_at(n, 0);
+  if (!x || !out || !n.args[1].isInt() || !n.args[2].isBool() || n.args[2].toBool()) return false;
+  if (!c10::isFloatingType(x->ref.meta.dtype) || out->ref.meta.dtype != x->ref.meta.dtype) return false;
+  const int64_t dim = wrapped(n.args[1].toInt(), x->ref.meta.sizes.size());
+  c10::IValue none;
+  Builder b{a, n, {}};
+  TensorRef lse = b.one(op("aten::logsumexp", ""), {none, c10::IValue(std::vector<int64_t>{dim}), c10::IValue(true)},
+                        {{0, x->ref}}, contiguous(kept(x->ref.meta.sizes, {dim}), x->ref.meta.dtype));
+  b.node(op("lazymem::softmax_from_lse", ""), {none, none, c10::IValue(log)}, {{0, x->ref}, {1, lse}},
+         {{0, out->ref}});
+  if (!b.commit(i, {true, true})) return false;
+  a.expansions.push_back(b.expansion(i));
+  return true;
+}
+
+// _softmax_backward_data(grad, out, dim, input_dtype) / _log_softmax_backward_data: the sum over
+// the batch in a pass, then the input's gradient per chunk.
+bool expand_softmax_backward(Analysis& a, int32_t i, bool log) {
+  const Node& n = *a.nodes[i].node;
+  const Use* g = use_at(n, 0);
+  const Use* y = use_at(n, 1);
+  const Def* gi = def_at(n, 0);
+  if (!g || !y || !gi || !n.args[2].isInt()) return false;
+  const c10::ScalarType dt = g->ref.meta.dtype;
+  if (!c10::isFloatingType(dt) || y->ref.meta.dtype != dt || gi->ref.meta.dtype != dt) return false;
+  const int64_t dim = wrapped(n.args[2].toInt(), g->ref.meta.sizes.size());
+  c10::IValue none;
+  Builder b{a, n, {}};
+  TensorRef s = b.one(op("lazymem::softmax_backward_reduce", ""), {none, none, c10::IValue(dim), c10::IValue(log)},
+                      {{0, g->ref}, {1, y->ref}}, contiguous(kept(g->ref.meta.sizes, {dim}), dt));
+  b.node(op("lazymem::softmax_backward_apply", ""), {none, none, none, c10::IValue(log)},
+         {{0, g->ref}, {1, y->ref}, {2, s}}, {{0, gi->ref}});
+  if (!b.commit(i, {true, true})) return false;
+  a.expansions.push_back(b.expansion(i));
+  return true;
+}
+
+// var / std / var_mean / std_mean .correction(x, dim?, correction?, keepdim): Chan-merged moments
+// over a pass, then the finish once.
+bool expand_moments(Analysis& a, int32_t i, bool sqrt) {
+  const Node& n = *a.nodes[i].node;
+  const Use* x = use_at(n, 0);
+  const Def* first = def_at(n, 0);
+  const Def* second = def_at(n, 1);
+  if (!x || !first || !c10::isFloatingType(x->ref.meta.dtype) || !n.args[3].isBool()) return false;
+  const c10::IntArrayRef sizes = x->ref.meta.sizes;
+  std::vector<int64_t> dims;
+  const c10::IValue& dv = n.args[1];
+  if (dv.isIntList() && !dv.toIntList().empty()) {
+    for (int64_t d : dv.toIntList()) dims.push_back(wrapped(d, sizes.size()));
+  } else if (dv.isNone() || dv.isIntList()) {
+    for (int64_t d = 0; d < static_cast<int64_t>(sizes.size()); ++d) dims.push_back(d);
+  } else {
+    return false;
+  }
+  const c10::IValue& cv = n.args[2];
+  const double correction = cv.isNone() ? 1.0 : cv.toScalar().toDouble();
+  int64_t count = 1;
+  for (int64_t d : dims) count *= sizes[d];
+  const c10::ScalarType dt = first->ref.meta.dtype;
+  if (dt != x->ref.meta.dtype) return false;
+  c10::IValue none;
+  Builder b{a, n, {}};
+  TensorRef m = b.one(op("lazymem::moments", ""), {none, c10::IValue(dims), c10::IValue(dt)}, {{0, x->ref}},
+                      contiguous(kept(sizes, dims, {2}), dt));
+  std::vector<std::pair<int32_t, TensorRef>> outs{{0, first->ref}};
+  if (second) outs.emplace_back(1, second->ref);
+  b.node(op("lazymem::moments_finish", ""),
+         {none, c10::IValue(correction), c10::IValue(count), c10::IValue(dims), n.args[3], c10::IValue(sqrt)},
+         {{0, m}}, std::move(outs));
+  if (!b.commit(i, {true, false})) return false;
+  a.expansions.push_back(b.expansion(i));
+  return true;
+}
+
 } // namespace
 
 bool expand_node(Analysis& a, int32_t i) {
   const std::string& name = a.nodes[i].node->op.schema().name();
+  const std::string& overload = a.nodes[i].node->op.schema().overload_name();
   bool ok = false;
   if (name == "aten::native_batch_norm") ok = expand_forward(a, i);
   if (name == "aten::native_batch_norm_backward") ok = expand_backward(a, i);
+  if (name == "aten::_softmax" || name == "aten::_log_softmax") ok = expand_softmax(a, i, name == "aten::_log_softmax");
+  if (name == "aten::_softmax_backward_data" || name == "aten::_log_softmax_backward_data") {
+    ok = expand_softmax_backward(a, i, name == "aten::_log_softmax_backward_data");
+  }
+  if (overload == "correction" && (name == "aten::var" || name == "aten::var_mean")) ok = expand_moments(a, i, false);
+  if (overload == "correction" && (name == "aten::std" || name == "aten::std_mean")) ok = expand_moments(a, i, true);
   if (!ok) return false;
   // The node itself no longer runs: its defs and writes are the synthesized nodes'.
   NodeInfo& ni = a.nodes[i];

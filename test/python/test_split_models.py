@@ -163,8 +163,21 @@ def llama():
     return transformers.LlamaForCausalLM(cfg)
 
 
+def gpt2_contrastive_loss(model, batch):
+    """The language-model loss plus a contrastive auxiliary loss between two views of each sequence
+    (mean of its first and second half's last hidden states): logits z1 @ z2.T over the batch,
+    targets arange(B) — every row's loss needs every other row's embedding."""
+    out = model(**batch, output_hidden_states=True)
+    h = out.hidden_states[-1]
+    z1 = F.normalize(h[:, :6].mean(1), dim=1)
+    z2 = F.normalize(h[:, 6:].mean(1), dim=1)
+    logits = z1 @ z2.T / 0.5
+    return out.loss + 0.1 * F.cross_entropy(logits, torch.arange(h.shape[0], device=h.device))
+
+
 HF = {
     "gpt2": (gpt2, tokens(64)),
+    "gpt2_contrastive_aux": (gpt2, tokens(64)),
     "bert_with_attention_mask": (bert, bert_batch),
     "llama": (llama, tokens(64)),
 }
@@ -178,5 +191,6 @@ def test_transformers_split_training_equals_eager(name, chunks, order):
     if order == "item_first" and chunks != 3:
         pytest.skip("one chunking is enough for the second loop order")
     make, batch = HF[name]
-    stats = train_split(make, batch, hf_loss, chunks, order=order)
+    loss = gpt2_contrastive_loss if name == "gpt2_contrastive_aux" else hf_loss
+    stats = train_split(make, batch, loss, chunks, order=order)
     assert stats["splits"] >= 5 and stats["barriers"] == 0

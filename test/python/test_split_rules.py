@@ -186,14 +186,14 @@ def test_factories_that_carry_the_batch():
 
 
 @pytest.mark.parametrize("fn", [
-    lambda x: torch.cat([x, x * 2], 0).sum(1),                    # joins along the batch
-    lambda x: x[1:] - x[:-1],                                     # slices along the batch
-    lambda x: x.sort(0).values,                                   # sorts across the batch
-    lambda x: x.cumsum(0),                                        # scans across the batch
-    lambda x: x.var(0),                                           # needs every row at once
-    lambda x: F.batch_norm(x, None, None, training=True),        # batch statistics
+    lambda x: torch.cat([x, x * 2], 0).sum(1),                    # joins along the batch (blocks)
+    lambda x: x[1:] - x[:-1],                                     # slices along the batch (whole)
+    lambda x: x.sort(0).values,                                   # sorts across the batch (whole)
+    lambda x: x.cumsum(0),                                        # scans across the batch (whole)
+    lambda x: x.var(0),                                           # moments pass (test_split_cross_batch)
+    lambda x: F.batch_norm(x, None, None, training=True),        # statistics pass (test_split_passes)
 ], ids=["cat_batch", "slice_batch", "sort_batch", "cumsum_batch", "var_batch", "batchnorm_train"])
-def test_ops_that_mix_rows_run_whole_and_stay_exact(fn):
+def test_ops_that_mix_rows_stay_exact(fn):
     x = torch.randn(B, 4)
     expected, got, stats = split_and_eager(fn, x)
     assert_same(expected, got)
