@@ -1,8 +1,8 @@
 """Batch-splitting benchmark: lazymem vs eager on the simulated memory-capped device, in one run.
 
-Two models in float32 — an MLP (256-1024-1024-10) and a small transformer classifier (token
+Three models in float32 — an MLP (256-1024-1024-10), a small transformer classifier (token
 embedding, two pre-norm nn.TransformerEncoderLayer, mean pooling, linear head; 64 tokens of width
-64) — each in inference (``torch.no_grad()``, logits read with ``.cpu()``) and training (forward,
+64) and a BatchNorm CNN (training only) — the first two in inference (``torch.no_grad()``, logits read with ``.cpu()``) and training (forward,
 cross-entropy, ``backward``, AdamW ``step``, ``zero_grad``, ``loss.item()``). Eager runs under
 ``memory_cap(capacity)`` with its model, optimizer state and batch on the "device"; lazymem runs the
 same unmodified step under ``simulated_device(capacity)`` with the batch uploaded from host memory.
@@ -16,6 +16,9 @@ same unmodified step under ``simulated_device(capacity)`` with the batch uploade
 (c) For every lazymem step timed: the memory model's predicted peak vs the measured peak, and the
     measured peak vs the capacity (goal: within +-2%; never above the capacity).
 (d) Planning time per node (torch_lazymem.stats() plan_ns / nodes_planned) over the timed steps.
+(e) Plan reuse: per training case at lazymem's largest batch, planning time of the first step, of
+    the later steps (their programs have the first's structure: the plan cache instantiates the
+    stored plan; goal <= 10 us + 0.1 us per node) and of a later step with the cache off.
 
 A lazymem loss that differs from eager's beyond float32 tolerance (split results equal unsplit up to
 reassociation) is flagged. Steps are timed after warm-up (lazymem's first steps pay meta inference
@@ -46,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_train import reexec_for_malloc  # noqa: E402
 
 import torch_lazymem  # noqa: E402
-from torch_lazymem.testing import eager_max_memory_allocated, memory_cap, simulated_device  # noqa: E402
+from torch_lazymem.testing import eager_max_memory_allocated, memory_cap, no_plan_reuse, simulated_device  # noqa: E402
 
 MiB = 1 << 20
 
@@ -83,6 +86,15 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
 
 
+def bn_cnn() -> nn.Module:
+    """ResNet-style stem and two conv-BatchNorm-ReLU stages on 3x32x32 images (batch norm in
+    training mode: statistics passes when split)."""
+    def stage(cin: int, cout: int) -> list[nn.Module]:
+        return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+    return nn.Sequential(*stage(3, 32), nn.MaxPool2d(2), *stage(32, 64), nn.MaxPool2d(2), *stage(64, 64),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+
+
 CASES = [
     Case("MLP inference", mlp, lambda n, g: torch.randn(n, 256, generator=g), 16 * MiB, False),
     Case("MLP training", mlp, lambda n, g: torch.randn(n, 256, generator=g), 32 * MiB, True),
@@ -90,6 +102,7 @@ CASES = [
          16 * MiB, False),
     Case("transformer training", TinyTransformer, lambda n, g: torch.randint(0, 512, (n, 64), generator=g),
          32 * MiB, True),
+    Case("BatchNorm CNN training", bn_cnn, lambda n, g: torch.randn(n, 3, 32, 32, generator=g), 32 * MiB, True),
 ]
 
 
@@ -214,6 +227,33 @@ def time_steps(case: Case, base: nn.Module, rows: int, steps: int, with_eager: b
                   worst_peak / case.capacity, plan_ns / 1e3 / max(1, nodes), loss_close)
 
 
+def plan_reuse(case: Case, base: nn.Module, rows: int, steps: int) -> str:
+    """Planning time of the first step, of later steps (reused plans) and of a later step planned anew."""
+    r = Runner(case, base, lazy=True)
+    first = later = nodes = 0.0
+    reused = 0
+    for s in range(steps + 2):
+        torch_lazymem.reset_stats()
+        with r.cap():
+            r.step(case.batch(rows, s))
+            torch.lazymem.synchronize()
+        st = torch_lazymem.stats()
+        if s == 0:
+            first = st["plan_ns"] / 1e3
+        elif s >= 2:  # (the second step still learns kernel workspace)
+            later += st["plan_ns"] / 1e3 / steps
+            nodes += st["nodes_planned"] / steps
+            reused += st["plans_reused"]
+    torch_lazymem.reset_stats()
+    with r.cap(), no_plan_reuse():
+        r.step(case.batch(rows, steps + 2))
+        torch.lazymem.synchronize()
+    anew = torch_lazymem.stats()["plan_ns"] / 1e3
+    goal = 10 + 0.1 * nodes
+    return (f"| {case.name} | {rows} | {nodes:.0f} | {first:.0f} | {later:.0f}{'' if later <= goal else ' (miss)'} "
+            f"| {later / max(nodes, 1):.3f} | {anew:.0f} | {reused}/{steps} |")
+
+
 def fmt_ratio(x: float, goal: float) -> str:
     return f"{x:.2f}{'' if x >= goal else ' (miss)'}"
 
@@ -231,7 +271,7 @@ def main() -> int:
     max_factor = 8 if args.quick else args.max_factor
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, simulated device; "
           f"median of {steps} steps after 2 warm-up steps\n")
-    rows_a, rows_b, rows_c = [], [], []
+    rows_a, rows_b, rows_c, rows_e = [], [], [], []
     for case in CASES:
         torch.manual_seed(0)
         base = case.model()
@@ -255,6 +295,8 @@ def main() -> int:
             rows_b.append(f"| {case.name} | {b_e} | {b_e * best}{limit} | {fmt_ratio(best, 32)}x | {b.chunks} "
                           f"| {fmt_ratio(per_sample, 0.9)} |")
             timings = [a, b]
+            if case.training:
+                rows_e.append(plan_reuse(case, base, b_e * best, steps))
         for label, t in zip(("eager's largest", "lazymem's largest"), timings):
             r = t.predicted_vs_measured
             rows_c.append(f"| {case.name}, {label} | {len(r)} | {min(r):.3f} | {statistics.median(r):.3f} | "
@@ -274,6 +316,11 @@ def main() -> int:
           "capacity (must be <= 1), and (d) planning time per node\n")
     print("| run | steps | min | median | max | peak / capacity | planning us/node |\n|---|---|---|---|---|---|---|")
     print("\n".join(rows_c))
+    print("\n(e) plan reuse at lazymem's largest batch: planning time (us) of the first step, of later steps "
+          "(mean; goal <= 10 us + 0.1 us per node) and of a later step with the plan cache off\n")
+    print("| case | batch | nodes | first step us | later steps us | us/node | cache off us | reused |"
+          "\n|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows_e))
     return 0
 
 

@@ -40,6 +40,7 @@ std::map<std::string, int64_t> Stats::snapshot() const {
       {"oom_retries", ld(oom_retries)},
       {"plan_ns", ld(plan_ns)},
       {"nodes_planned", ld(nodes_planned)},
+      {"plans_reused", ld(plans_reused)},
   };
 }
 
@@ -66,6 +67,7 @@ void Stats::reset() {
   oom_retries = 0;
   plan_ns = 0;
   nodes_planned = 0;
+  plans_reused = 0;
 }
 
 static Config* make_config() {
@@ -73,6 +75,7 @@ static Config* make_config() {
   if (const char* d = std::getenv("LAZYMEM_DEBUG")) {
     c->debug = std::atoi(d) > 0 ? std::atoi(d) : (std::string(d).empty() || std::string(d) == "0" ? 0 : 1);
   }
+  if (const char* p = std::getenv("LAZYMEM_PLAN_CACHE")) c->plan_cache = std::string(p) != "0";
   if (const char* n = std::getenv("LAZYMEM_FLUSH_NODES")) {
     c->flush_threshold_nodes = std::strtoull(n, nullptr, 10);
   }

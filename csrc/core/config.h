@@ -34,6 +34,7 @@ struct Stats {
   std::atomic<uint64_t> oom_retries{0};      // plans made again after an out-of-memory error taught the model
   std::atomic<uint64_t> plan_ns{0};          // time spent planning (make_plan), summed
   std::atomic<uint64_t> nodes_planned{0};    // nodes given to the planner, summed
+  std::atomic<uint64_t> plans_reused{0};     // materializations whose plan came from the plan cache
   std::map<std::string, int64_t> snapshot() const;
   void reset();
 };
@@ -58,6 +59,9 @@ struct Config {
   std::atomic<int64_t> force_chunks{0};
   // A materialization expected to take longer than this shows progress (FlushHooks::progress).
   std::atomic<double> progress_after_seconds{2.0};
+  // Reuse plans across materializations of programs with the same structure (LAZYMEM_PLAN_CACHE=0
+  // disables; plan/reuse.h).
+  std::atomic<bool> plan_cache{true};
 };
 Config& config();
 

@@ -62,7 +62,7 @@ class Walker {
     for (LazyBuffer* b : plan_.release_unused) b->drop_real();
     for (size_t s = 0; s < plan_.stages.size(); ++s) {
       const Stage& st = plan_.stages[s];
-      bool ok = st.loop ? run_loop(st) : run_whole(st, s);
+      bool ok = st.loop ? run_loop(st, s) : run_whole(st, s);
       if (!ok) {
         out_.stage = s;
         return out_;
@@ -171,7 +171,7 @@ class Walker {
     b->drop_real();
   }
 
-  bool run_loop(const Stage& st) {
+  bool run_loop(const Stage& st, size_t index) {
     for (const FullStore& f : st.stores) {
       if (f.buf->has_real()) continue;
       size_t n = f.buf->nbytes.load();
@@ -196,6 +196,7 @@ class Walker {
       }
       start += rows;
     }
+    if (chunk < st.chunk) out_.smaller_chunks.emplace_back(index, chunk);
     for (const Accumulator& a : st.accs) {
       LazyBuffer& b = *a.buf;
       b.exec_epoch = out_.epoch;

@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <exception>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "plan/plan.h"
 
@@ -29,6 +31,7 @@ struct ExecOutcome {
   size_t node = 0;                   // ...and, for a whole stage, its first node that did not run
   bool oom_learned = false;          // with oom: the failing node's workspace was more than known
   size_t chunk_retries = 0;          // chunks that ran out of memory and ran again in smaller chunks
+  std::vector<std::pair<size_t, int64_t>> smaller_chunks; // (stage, chunk) loops that finished smaller
   // With oom: every completed node only wrote buffers this execution created (stamped `epoch`) and
   // drew no random numbers from a generator's stream, so dropping those buffers and running the
   // whole program again is the same as never having run it.

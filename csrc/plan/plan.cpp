@@ -7,6 +7,7 @@
 #include "core/config.h"
 #include "ops/op_rules.h"
 #include "plan/memory.h"
+#include "plan/reuse.h"
 #include "plan/schedule.h"
 #include "plan/split.h"
 
@@ -34,9 +35,8 @@ Plan whole_plan(const PlanInput& in, const Schedule& s) {
   return plan;
 }
 
-} // namespace
-
-Plan make_plan(const PlanInput& in) {
+// Plans from scratch.
+Plan plan_anew(const PlanInput& in) {
   std::vector<const Node*> nodes(in.nodes.begin(), in.nodes.end());
   Schedule s = plan_segment(nodes, in.live_out);
   Plan plan = whole_plan(in, s);
@@ -56,6 +56,20 @@ Plan make_plan(const PlanInput& in) {
   split.notes = plan.notes;
   if (make_split_plan(in, s, split)) return split;
   plan.notes = std::move(split.notes);
+  return plan;
+}
+
+} // namespace
+
+Plan make_plan(const PlanInput& in) {
+  if (!config().plan_cache.load(std::memory_order_relaxed)) return plan_anew(in);
+  Fingerprint fp = fingerprint(in);
+  if (std::optional<Plan> reused = reuse_plan(in, fp)) {
+    stats().plans_reused.fetch_add(1, std::memory_order_relaxed);
+    return std::move(*reused);
+  }
+  Plan plan = plan_anew(in);
+  remember_plan(in, std::move(fp), plan);
   return plan;
 }
 
@@ -110,6 +124,7 @@ std::string Plan::to_string(bool nodes) const {
   if (!retained.empty()) os << ", " << retained.size() << " kept pending";
   os << "; predicted peak " << format_bytes(predicted_peak);
   if (budget >= 0) os << " of a " << format_bytes(budget) << " budget";
+  if (reused) os << " (reused: the program has the structure of an earlier one)";
   os << "\n";
   for (const std::string& n : notes) os << "  " << n << "\n";
   for (size_t i = 0; i < stages.size(); ++i) {

@@ -60,19 +60,24 @@ bool Workspace::observe(uint64_t key, const c10::FunctionSchema* op, int64_t row
   std::lock_guard<std::mutex> lock(mu_);
   ops_.insert(op);
   Seen& s = seen_[key];
-  for (int i = 0; i < 2; ++i) {
+  bool raised = true;
+  bool found = false;
+  for (int i = 0; i < 2 && !found; ++i) {
     if (s.rows[i] == rows) {
-      const bool grew = bytes > s.bytes[i];
+      found = true;
+      raised = bytes > s.bytes[i];
       s.bytes[i] = std::max(s.bytes[i], bytes);
-      return grew;
     }
   }
-  // Keep the two most recent distinct row counts.
-  s.rows[1] = s.rows[0];
-  s.bytes[1] = s.bytes[0];
-  s.rows[0] = rows;
-  s.bytes[0] = bytes;
-  return true;
+  if (!found) {
+    // Keep the two most recent distinct row counts.
+    s.rows[1] = s.rows[0];
+    s.bytes[1] = s.bytes[0];
+    s.rows[0] = rows;
+    s.bytes[0] = bytes;
+  }
+  if (raised) generation_.fetch_add(1, std::memory_order_relaxed);
+  return raised;
 }
 
 Workspace::Affine Workspace::predict(uint64_t key) const {
@@ -97,6 +102,7 @@ void Workspace::clear() {
   std::lock_guard<std::mutex> lock(mu_);
   seen_.clear();
   ops_.clear();
+  generation_.fetch_add(1, std::memory_order_relaxed);
 }
 
 size_t Workspace::size() const {

@@ -6,6 +6,7 @@
 // give workspace = alpha + beta * rows (one observation at rows > 0 scales with the rows).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <unordered_map>
@@ -30,6 +31,11 @@ class Workspace {
   Affine predict(uint64_t key) const;
   void clear();
   size_t size() const;
+  // Changes whenever a prediction may change (something was learned, or forgotten): plans made
+  // before are not reused after (plan/reuse.h).
+  uint64_t generation() const {
+    return generation_.load(std::memory_order_relaxed);
+  }
 
  private:
   struct Seen {
@@ -39,6 +45,7 @@ class Workspace {
   mutable std::mutex mu_;
   std::unordered_map<uint64_t, Seen> seen_;
   std::unordered_set<const c10::FunctionSchema*> ops_;
+  std::atomic<uint64_t> generation_{0};
 };
 
 // The workspace key of `pn` as planned (batch dims of bound operands marked, so a key holds across

@@ -18,6 +18,7 @@
 #include "device/phantom.h"
 #include "execute/memory.h"
 #include "ir/program.h"
+#include "plan/reuse.h"
 #include "plan/workspace.h"
 #include "record/meta.h"
 #include "record/recorder.h"
@@ -206,6 +207,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("_user_memory_budget", [] { return config().memory_budget.load(); });
   m.def("_memory_budget", [] { return memory_budget(); });
   m.def("_set_force_chunks", [](int64_t n) { config().force_chunks = n; });
+  m.def("_set_plan_cache", [](bool on) {
+    config().plan_cache = on;
+    if (!on) clear_plan_cache();
+  });
+  m.def("_plan_cache", [] { return config().plan_cache.load(); });
+  m.def("_plan_cache_size", [] { return plan_cache_size(); });
   m.def("_force_chunks", [] { return config().force_chunks.load(); });
   m.def("_worker_allocations", worker_allocations);
   m.def("_workspace_entries", [] { return Workspace::get().size(); });

@@ -17,6 +17,7 @@
 #include "execute/replay.h"
 #include "ir/program.h"
 #include "plan/planner.h"
+#include "plan/reuse.h"
 
 namespace lazymem {
 namespace {
@@ -185,6 +186,8 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   stats().nodes_planned.fetch_add(in.nodes.size(), std::memory_order_relaxed);
   if (config().debug >= 2) std::fprintf(stderr, "[lazymem] %s", plan.to_string(/*nodes=*/true).c_str());
   ExecOutcome out = execute(plan);
+  // A loop that ran out of memory finished with smaller chunks: so does the plan next time.
+  for (auto [stage, chunk] : out.smaller_chunks) plan_learned_chunk(plan.template_id, stage, chunk);
   record_stats(plan, out);
   stats().oom_retries.fetch_add(out.chunk_retries, std::memory_order_relaxed);
   // Out of memory because a kernel needed more workspace than known: a new plan knows it now. From
@@ -206,6 +209,7 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
       std::fprintf(stderr, "[lazymem] out of memory at %s; planning again %s\n", out.oom_site.c_str(),
                    out.restartable ? "from the start" : "from there");
     }
+    recycle_plan(std::move(plan));
     return true;
   }
   if (out.oom) {
@@ -223,6 +227,7 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   }
   // A read raises only its own values' errors (materialize checks them); flushes that need
   // everything (synchronize, auto-flush, generator state) raise the first one.
+  recycle_plan(std::move(plan)); // (its next instantiation patches it instead of copying)
   if (out.first_error && req.needed.empty()) std::rethrow_exception(out.first_error);
   return false;
 }

@@ -60,6 +60,18 @@ def memory_cap(capacity: Capacity) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def no_plan_reuse() -> Iterator[None]:
+    """Plans every materialization from scratch (the plan cache off and emptied), as
+    ``LAZYMEM_PLAN_CACHE=0`` does for a whole run."""
+    previous = bool(_C._plan_cache())
+    _C._set_plan_cache(False)
+    try:
+        yield
+    finally:
+        _C._set_plan_cache(previous)
+
+
+@contextlib.contextmanager
 def force_chunks(n: int) -> Iterator[None]:
     """Splits every materialization into ``n`` chunks along the batch, whether it fits or not (for
     tests and debugging); ``n`` larger than the batch gives chunks of one row."""

@@ -1,0 +1,100 @@
+"""Plans reused across steps (plan/reuse.h): a training loop's later steps, whose programs have the
+structure of an earlier one, get the stored plan instantiated on their own buffers and nodes — no
+planning, no meta probes — and run exactly the kernels a fresh plan would (bitwise equal results).
+A program that differs in anything the planner reads (a shape, the budget, a value that must
+survive, the workspace the memory model has learned) is planned anew."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch_lazymem
+from torch_lazymem.testing import force_chunks, no_plan_reuse, simulated_device
+
+
+def bn_mlp():
+    return nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 5))
+
+
+def train(model, steps, rows=10, chunks=3, reuse=True, cap=None):
+    """Trains a lazymem copy of `model` (float64) split into `chunks`; returns losses, parameters,
+    buffers and per-step stats."""
+    lazy = copy.deepcopy(model).double().to("lazymem")
+    opt = torch.optim.AdamW(lazy.parameters(), lr=1e-2)
+    torch.lazymem.synchronize()
+    losses, per_step = [], []
+    ctx = no_plan_reuse() if not reuse else contextlib.nullcontext()
+    with ctx, (force_chunks(chunks) if chunks else simulated_device(cap)):
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step)
+            r = rows[step] if isinstance(rows, list) else rows
+            x = torch.randn(r, 12, generator=g, dtype=torch.float64)
+            y = torch.randint(0, 5, (r,), generator=g)
+            torch_lazymem.reset_stats()
+            loss = F.cross_entropy(lazy(x.to("lazymem")), y.to("lazymem"))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            per_step.append(torch_lazymem.stats())
+    return losses, [p.detach().cpu() for p in lazy.parameters()], [b.cpu() for b in lazy.buffers()], per_step
+
+
+def test_later_steps_reuse_the_plan_and_run_the_same_kernels():
+    torch.manual_seed(0)
+    model = bn_mlp()
+    losses, params, bufs, stats = train(model, 8)
+    losses0, params0, bufs0, stats0 = train(model, 8, reuse=False)
+    assert losses == losses0  # bitwise: the same plan runs the same kernels on the same chunks
+    for a, b in zip(params + bufs, params0 + bufs0):
+        assert torch.equal(a, b)
+    assert all(s["splits"] >= 1 for s in stats)
+    # once the workspace model has settled (it learns over the first steps), every step reuses
+    assert all(s["plans_reused"] == 1 for s in stats[-3:]), [s["plans_reused"] for s in stats]
+    assert all(s["plans_reused"] == 0 for s in stats0)
+    # planning a later step from the cache is far cheaper than planning it anew
+    assert sum(s["plan_ns"] for s in stats[-3:]) * 5 < sum(s["plan_ns"] for s in stats0[-3:])
+
+
+def test_a_new_shape_is_planned_anew_and_an_old_one_reused_again():
+    torch.manual_seed(0)
+    rows = [10] * 5 + [12] * 5 + [10] * 4
+    _, _, _, stats = train(bn_mlp(), len(rows), rows=rows)
+    reused = [s["plans_reused"] > 0 for s in stats]
+    assert not reused[5]  # the first batch of 12 rows
+    assert reused[4] and reused[9] and reused[13], reused
+
+
+def test_the_explanation_says_the_plan_was_reused():
+    torch.manual_seed(0)
+    train(bn_mlp(), 4)
+    assert "reused" in torch_lazymem.explain(print_it=False)
+
+
+def test_the_budget_is_part_of_the_structure():
+    torch.manual_seed(0)
+    _, _, _, small = train(bn_mlp(), 3, chunks=0, cap=64 << 10, rows=256)
+    assert small[-1]["splits"] >= 1
+    _, _, _, large = train(bn_mlp(), 3, chunks=0, cap=64 << 20, rows=256)
+    assert large[-1]["splits"] == 0  # fits: not the small budget's split plan
+
+
+@pytest.mark.parametrize("env", ["0", "1"])
+def test_the_cache_can_be_switched_off(env):
+    code = ("import torch, torch_lazymem, torch.nn as nn\n"
+            "m = nn.Linear(4, 2).to('lazymem')\n"
+            "for s in range(4):\n"
+            "    torch_lazymem.reset_stats(); m(torch.randn(8, 4).to('lazymem')).sum().item()\n"
+            "print(torch_lazymem.stats()['plans_reused'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "LAZYMEM_PLAN_CACHE": env})
+    assert out.stdout.strip() == ("0" if env == "0" else "1")
