@@ -318,7 +318,7 @@ def main() -> int:
     print("\n".join(rows_c))
     print("\n(e) plan reuse at lazymem's largest batch: planning time (us) of the first step, of later steps "
           "(mean; goal <= 10 us + 0.1 us per node) and of a later step with the plan cache off\n")
-    print("| case | batch | nodes | first step us | later steps us | us/node | cache off us | reused |"
+    print("| case | batch | nodes | first step us | later steps us | us/node | cache off us | plans reused / later steps |"
           "\n|---|---|---|---|---|---|---|---|")
     print("\n".join(rows_e))
     return 0
