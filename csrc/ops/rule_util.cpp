@@ -69,6 +69,52 @@ std::optional<Place> broadcast(const RuleCall& c, RuleResult& r, c10::IntArrayRe
   return found;
 }
 
+std::optional<Place> bind_batch(const RuleCall& c, RuleResult& r, std::initializer_list<int> args, int64_t limit,
+                                bool demand) {
+  std::optional<Place> found;
+  int64_t rows = -1;
+  for (auto& m : r.ins) m = OperandMode::whole();
+  for (int arg : args) {
+    const Operand* o = c.operand(arg);
+    if (!o || !o->place.is_s()) continue;
+    if (found && *found != o->place) {
+      fail(r, "operands carry the batch along different dims");
+      return std::nullopt;
+    }
+    found = o->place;
+    rows = o->sizes[o->place.dim];
+  }
+  if (!found && demand) {
+    const Place* want = c.wanted(0);
+    if (want && want->is_s() && want->dim < c.outs[0].dim()) {
+      found = *want;
+      rows = c.outs[0].sizes[want->dim];
+    }
+  }
+  if (!found) return Place::R();
+  if (found->dim >= limit) {
+    fail(r, limit == 1 ? "the batch is not the leading dim" : "the batch is among the dims the op works across");
+    return std::nullopt;
+  }
+  for (int arg : args) {
+    const int64_t i = c.operand_index(arg);
+    if (i < 0) continue;
+    const Operand& o = c.ins[i];
+    if (o.dim() <= found->dim || o.sizes[found->dim] != rows) {
+      fail(r, "an operand without the batch's rows");
+      return std::nullopt;
+    }
+    r.ins[i] = OperandMode::rows(found->dim, *found);
+  }
+  for (size_t i = 0; i < c.ins.size(); ++i) {
+    if (r.ins[i].mode == Mode::kWhole && c.ins[i].place.is_s()) {
+      fail(r, "a weight carries the batch");
+      return std::nullopt;
+    }
+  }
+  return found;
+}
+
 std::vector<int64_t> int_list(const c10::IValue& v) {
   if (v.isNone()) return {};
   if (v.isInt()) return {v.toInt()};

@@ -50,6 +50,14 @@ inline bool align(const RuleCall& c, RuleResult& r, size_t i, int64_t out_ndim, 
   return align(c, r, i, out_ndim, out_dim, out_size, Place::S(out_dim, unit));
 }
 
+// Binds the operands at arguments `args` (inputs, targets, saved statistics of a per-sample op) to
+// the batch found among them: all must carry it along the same dim, before dim `limit`, with the
+// same rows; every other operand (weights, class weights) must not carry it. With `demand`, an
+// output wanted batch-sharded (before `limit`) seeds it when no operand carries it. Returns its
+// placement (R when nothing carries it), or nullopt with r.why on a conflict.
+std::optional<Place> bind_batch(const RuleCall& c, RuleResult& r, std::initializer_list<int> args, int64_t limit,
+                                bool demand);
+
 // An int-list argument as a vector (an int, an empty list or None gives an empty vector).
 std::vector<int64_t> int_list(const c10::IValue& v);
 

@@ -20,39 +20,10 @@ int64_t numel(c10::IntArrayRef sizes) {
   return n;
 }
 
-// The batch among `args` at dim 0 (inputs (N, C, ...) and targets (N, ...)); every operand not
-// listed must not carry it.
+// The batch among `args` at dim 0 (inputs (N, C, ...) and targets (N, ...)); class weights and
+// total weights must not carry it.
 std::optional<Place> leading_batch(const RuleCall& c, RuleResult& r, std::initializer_list<int> args) {
-  std::optional<Place> found;
-  int64_t rows = -1;
-  for (auto& m : r.ins) m = OperandMode::whole();
-  for (int arg : args) {
-    const Operand* o = c.operand(arg);
-    if (!o || !o->place.is_s()) continue;
-    if (o->place.dim != 0 || (found && *found != o->place)) {
-      fail(r, "the batch is not the leading dim of the input and target");
-      return std::nullopt;
-    }
-    found = o->place;
-    rows = o->sizes[0];
-  }
-  if (!found) return Place::R();
-  for (int arg : args) {
-    int64_t i = c.operand_index(arg);
-    if (i < 0) continue;
-    if (c.ins[i].dim() == 0 || c.ins[i].sizes[0] != rows) {
-      fail(r, "the input and target disagree on the batch");
-      return std::nullopt;
-    }
-    r.ins[i] = OperandMode::rows(0, *found);
-  }
-  for (size_t i = 0; i < c.ins.size(); ++i) {
-    if (r.ins[i].mode == Mode::kWhole && c.ins[i].place.is_s()) {
-      fail(r, "a class weight or total weight carries the batch");
-      return std::nullopt;
-    }
-  }
-  return found;
+  return bind_batch(c, r, args, /*limit=*/1, /*demand=*/false);
 }
 
 // nll_loss_forward / nll_loss2d_forward(self, target, weight, reduction, ignore_index)

@@ -12,51 +12,9 @@
 namespace lazymem::rules {
 namespace {
 
-// Binds the listed operands (by argument) to the batch found among them, which must lie before dim
-// `limit`; every other operand must not carry it. Returns its placement (R when none carries it).
+// The batch among `args`, before dim `limit` (the normalized dims); weights must not carry it.
 std::optional<Place> batch_of(const RuleCall& c, RuleResult& r, std::initializer_list<int> args, int64_t limit) {
-  std::optional<Place> found;
-  int64_t rows = -1;
-  for (auto& m : r.ins) m = OperandMode::whole();
-  for (int arg : args) {
-    const Operand* o = c.operand(arg);
-    if (!o || !o->place.is_s()) continue;
-    if (found && *found != o->place) {
-      fail(r, "operands carry the batch along different dims");
-      return std::nullopt;
-    }
-    found = o->place;
-    rows = o->sizes[o->place.dim];
-  }
-  if (!found) {
-    const Place* want = c.wanted(0);
-    if (want && want->is_s() && want->dim < c.outs[0].dim()) {
-      found = *want;
-      rows = c.outs[0].sizes[want->dim];
-    }
-  }
-  if (!found) return Place::R();
-  if (found->dim >= limit) {
-    fail(r, "the batch is among the normalized dims");
-    return std::nullopt;
-  }
-  for (int arg : args) {
-    int64_t i = c.operand_index(arg);
-    if (i < 0) continue;
-    const Operand& o = c.ins[i];
-    if (o.dim() <= found->dim || o.sizes[found->dim] != rows) {
-      fail(r, "an operand without the batch's rows");
-      return std::nullopt;
-    }
-    r.ins[i] = OperandMode::rows(found->dim, found->unit);
-  }
-  for (size_t i = 0; i < c.ins.size(); ++i) {
-    if (r.ins[i].mode == Mode::kWhole && c.ins[i].place.is_s()) {
-      fail(r, "a weight carries the batch");
-      return std::nullopt;
-    }
-  }
-  return found;
+  return bind_batch(c, r, args, limit, /*demand=*/true);
 }
 
 // A norm backward's (grad_input, grad_weight, grad_bias): the input's gradient keeps the batch, the

@@ -97,6 +97,10 @@ bool synthesize_total_weight(Analysis& a, int32_t nll);
 // changed) when they cannot be made or placed.
 bool expand_node(Analysis& a, int32_t i);
 
+// The split plan's notes: batch and passes, barriers and why, what stays pending, what is stored in
+// host memory; and its batch and barrier count (plan/plan.cpp).
+void note_split(Plan& plan, const Analysis& a);
+
 // Assigns each running node a stage: even = whole (run once), odd = chunk loop. Returns the number
 // of stages, or -1 (with a note) if a partial value would have to cross a loop.
 int32_t assign_stages(Analysis& a);

@@ -3,8 +3,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <sstream>
 #include <unordered_map>
 
+#include "core/config.h"
 #include "plan/workspace.h"
 
 namespace lazymem {
@@ -248,6 +250,55 @@ std::vector<const MemPoint*> MemoryModel::over(int64_t budget) const {
     if (!p.loop && p.bytes > budget) out.push_back(&p);
   }
   return out;
+}
+
+bool choose_chunks(Plan& plan, int64_t budget, int64_t forced, std::vector<std::string>& notes) {
+  for (int attempt = 0; attempt < 32; ++attempt) {
+    MemoryModel model = model_memory(plan);
+    bool ok = true;
+    for (size_t s = 0; s < plan.stages.size(); ++s) {
+      Stage& st = plan.stages[s];
+      if (!st.loop) continue;
+      const int64_t B = st.batch;
+      if (forced > 0) {
+        st.chunk = std::max<int64_t>(1, (B + forced - 1) / forced);
+        continue;
+      }
+      int64_t cmax = budget < 0 ? B : model.max_chunk(static_cast<int32_t>(s), B, budget);
+      if (cmax < 1) {
+        ok = false;
+        st.chunk = 1;
+        continue;
+      }
+      st.chunk = balanced_chunk(B, cmax);
+    }
+    const MemPoint* where = nullptr;
+    plan.predicted_peak = model.peak(plan, &where);
+    model.annotate(plan);
+    if (ok && (forced > 0 || budget < 0 || plan.predicted_peak <= budget)) return true;
+    // Values stored whole on the device do not fit: the largest goes to host memory (a result
+    // larger than the budget is assembled there and downloaded from there; a value crossing passes
+    // is written there and read back chunk by chunk).
+    FullStore* biggest = nullptr;
+    for (Stage& st : plan.stages) {
+      for (FullStore& f : st.stores) {
+        if (f.host) continue;
+        if (!biggest || f.buf->nbytes.load() > biggest->buf->nbytes.load()) biggest = &f;
+      }
+    }
+    if (!biggest) {
+      std::ostringstream os;
+      os << "no chunk size fits the budget of " << format_bytes(budget);
+      if (where && where->node) {
+        os << ": at " << where->node->describe() << " " << format_bytes(where->bytes)
+           << " must be held whatever the chunk size";
+      }
+      notes.push_back(os.str());
+      return false;
+    }
+    biggest->host = true;
+  }
+  return false;
 }
 
 } // namespace lazymem

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "plan/plan.h"
@@ -45,5 +46,11 @@ MemoryModel model_memory(const Plan& plan);
 // (ceil(batch / n) rows each), rounded up to a multiple of `align` when that still fits, else down
 // to one when that adds no chunk.
 int64_t balanced_chunk(int64_t batch, int64_t cmax, int64_t align = 8);
+
+// Sets each loop's chunk size: the largest that fits `budget` (-1: unlimited), balanced over the
+// batch and aligned, or `forced` chunks per loop (> 0, testing); then the plan's predicted peak.
+// When stored values make every size too large, the largest goes to host memory and sizes are
+// chosen again. False (with a note) when nothing fits.
+bool choose_chunks(Plan& plan, int64_t budget, int64_t forced, std::vector<std::string>& notes);
 
 } // namespace lazymem

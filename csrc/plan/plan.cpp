@@ -6,6 +6,7 @@
 
 #include "core/config.h"
 #include "ops/op_rules.h"
+#include "plan/analysis.h"
 #include "plan/memory.h"
 #include "plan/reuse.h"
 #include "plan/schedule.h"
@@ -116,6 +117,37 @@ std::string node_line(const PlannedNode& pn) {
 }
 
 } // namespace
+
+void note_split(Plan& plan, const Analysis& a) {
+  std::ostringstream os;
+  int64_t loops = 0, chunks = 0;
+  for (const Stage& st : plan.stages) {
+    if (!st.loop) continue;
+    ++loops;
+    chunks = std::max<int64_t>(chunks, st.chunks());
+  }
+  os << "split along a batch of " << a.batch << " rows: " << loops << (loops == 1 ? " pass" : " passes")
+     << ", up to " << chunks << " chunks";
+  plan.notes.insert(plan.notes.begin(), os.str());
+  for (int32_t i : a.order) {
+    const NodeInfo& ni = a.nodes[i];
+    if (!ni.barrier) continue;
+    plan.notes.push_back("barrier: " + ni.node->describe() + " runs whole: " + (ni.rr.why ? ni.rr.why : "no rule"));
+  }
+  if (!plan.retained.empty()) {
+    plan.notes.push_back(std::to_string(plan.retained.size()) +
+                         " nodes stay pending: batch-sharded values that survive are recomputed chunk by chunk "
+                         "when needed, not stored");
+  }
+  for (const Stage& st : plan.stages) {
+    for (const FullStore& f : st.stores) {
+      if (f.host) plan.notes.push_back("b" + std::to_string(f.buf->id) + " (" + format_bytes(f.buf->nbytes.load()) +
+                                       ") is assembled in host memory: it does not fit the device budget");
+    }
+  }
+  plan.barriers = a.barriers;
+  plan.batch = a.batch;
+}
 
 std::string Plan::to_string(bool nodes) const {
   std::ostringstream os;

@@ -369,14 +369,21 @@ void remember_plan(const PlanInput& in, Fingerprint&& fp, Plan& plan) {
     s.version = static_cast<int64_t>(r.version) - base_of(s.buf);
     return s;
   };
-  // Synthesized nodes: their refs as sketches (a program node's defs, a fresh buffer's).
+  // Synthesized nodes: their refs as sketches (a program node's defs, a fresh buffer's); each takes
+  // the seq of the program node it serves.
+  std::unordered_map<uint64_t, int32_t> by_seq;
+  if (!plan.owned.empty()) {
+    for (size_t i = 0; i < in.nodes.size(); ++i) by_seq.emplace(in.nodes[i]->seq, static_cast<int32_t>(i));
+  }
   for (const NodePtr& n : plan.owned) {
     NodeSketch s(n->op);
     s.args = n->args;
-    for (size_t i = 0; i < in.nodes.size() && s.serves < 0; ++i) {
-      if (in.nodes[i]->seq == n->seq) s.serves = static_cast<int32_t>(i);
+    auto served = by_seq.find(n->seq);
+    if (served == by_seq.end()) {
+      ok = false;
+    } else {
+      s.serves = served->second;
     }
-    if (s.serves < 0) ok = false;
     for (const Use& u : n->uses) {
       RefSketch r = sketch_ref(u.ref);
       Use bare = u;
@@ -514,7 +521,7 @@ std::optional<Plan> reuse_plan(const PlanInput& in, const Fingerprint& fp) {
 }
 
 void recycle_plan(Plan&& plan) {
-  if (!plan.reused && plan.template_id == 0) return;
+  if (plan.template_id == 0) return;
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mu);
   for (Template& t : c.entries) {

@@ -2,8 +2,6 @@
 #include "plan/split.h"
 
 #include <algorithm>
-#include <cmath>
-#include <sstream>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -11,8 +9,8 @@
 #include "ops/op_rules.h"
 #include "plan/analysis.h"
 #include "plan/localize.h"
-#include "ops/meta_probe.h"
 #include "plan/memory.h"
+#include "plan/probe.h"
 
 namespace lazymem {
 namespace {
@@ -47,8 +45,8 @@ class SplitBuilder {
     if (stages_ < 0) return refuse();
     decide_storage();
     emit();
-    if (!choose_chunks()) return refuse();
-    explain();
+    if (!choose_chunks(plan_, in_.budget, in_.force_chunks, a_.notes)) return refuse();
+    note_split(plan_, a_);
     return true;
   }
 
@@ -532,209 +530,21 @@ class SplitBuilder {
     plan_.eliminated = in_.nodes.size() - std::min(in_.nodes.size(), a_.order.size() + plan_.retained.size());
   }
 
-  // ---- chunk sizes ----
-
-  bool choose_chunks() {
-    const int64_t forced = in_.force_chunks;
-    for (int attempt = 0; attempt < 32; ++attempt) {
-      MemoryModel model = model_memory(plan_);
-      bool ok = true;
-      for (size_t s = 0; s < plan_.stages.size(); ++s) {
-        Stage& st = plan_.stages[s];
-        if (!st.loop) continue;
-        const int64_t B = st.batch;
-        if (forced > 0) {
-          st.chunk = std::max<int64_t>(1, (B + forced - 1) / forced);
-          continue;
-        }
-        int64_t cmax = in_.budget < 0 ? B : model.max_chunk(static_cast<int32_t>(s), B, in_.budget);
-        if (cmax < 1) {
-          ok = false;
-          st.chunk = 1;
-          continue;
-        }
-        st.chunk = balanced_chunk(B, cmax);
-      }
-      const MemPoint* where = nullptr;
-      plan_.predicted_peak = model.peak(plan_, &where);
-      model.annotate(plan_);
-      if (ok && (forced > 0 || in_.budget < 0 || plan_.predicted_peak <= in_.budget)) return true;
-      // Values stored whole on the device do not fit: the largest goes to host memory (a result
-      // larger than the budget is assembled there and downloaded from there; a value crossing passes
-      // is written there and read back chunk by chunk).
-      FullStore* biggest = nullptr;
-      for (Stage& st : plan_.stages) {
-        for (FullStore& f : st.stores) {
-          if (f.host) continue;
-          if (!biggest || f.buf->nbytes.load() > biggest->buf->nbytes.load()) biggest = &f;
-        }
-      }
-      if (!biggest) {
-        std::ostringstream os;
-        os << "no chunk size fits the budget of " << format_bytes(in_.budget);
-        if (where && where->node) {
-          os << ": at " << where->node->describe() << " " << format_bytes(where->bytes)
-             << " must be held whatever the chunk size";
-        }
-        a_.notes.push_back(os.str());
-        return false;
-      }
-      biggest->host = true;
-    }
-    return false;
-  }
-
-  // ---- meta probes ----
-
  public:
-  // Probes every loop node on its chunk's shapes (full chunks and the ragged last one): nodes whose
-  // meta kernel refuses them or gives other output shapes than their rule says. Those run whole.
+  // Nodes that cannot run split (plan/probe.h, and in-place writes to stored time-major rows): they
+  // run whole in the next attempt.
   std::unordered_map<const Node*, std::string> unsafe() {
     std::unordered_map<const Node*, std::string> bad;
     for (const Node* n : unnarrowable_) {
       bad.emplace(n, "it would write a chunk's rows of a stored time-major flatten in place, which no view gives");
     }
-    for (const Stage& st : plan_.stages) {
-      if (!st.loop) continue;
-      std::vector<int64_t> sizes{st.chunk};
-      const int64_t last = st.batch - (st.chunks() - 1) * st.chunk;
-      if (last != st.chunk) sizes.push_back(last);
-      for (const PlannedNode& pn : st.nodes) {
-        for (int64_t rows : sizes) {
-          std::string why = probe(st, pn, rows);
-          if (!why.empty()) {
-            bad.emplace(pn.node, why);
-            break;
-          }
-        }
-      }
+    for (auto& [node, why] : probe_plan(plan_, [&](const LazyBuffer* b) { return a_.index.at(b); })) {
+      bad.emplace(node, std::move(why));
     }
     return bad;
   }
 
-  std::string probe(const Stage& st, const PlannedNode& pn, int64_t rows) {
-    const Node& n = *pn.node;
-    std::vector<ProbeTensor> ts;
-    auto add = [&](int32_t arg, int32_t elem, const TensorMeta& m, int32_t storage, int64_t bytes) {
-      ProbeTensor t;
-      t.arg = arg;
-      t.elem = elem;
-      t.sizes = m.sizes;
-      t.strides = m.strides;
-      t.offset = m.offset;
-      t.dtype = m.dtype;
-      t.storage = storage;
-      t.storage_bytes = std::max<int64_t>(bytes, static_cast<int64_t>(m.extent_bytes()));
-      ts.push_back(std::move(t));
-    };
-    int32_t next = -1; // storages of their own (host constants, gathered copies)
-    for (size_t k = 0; k < n.uses.size(); ++k) {
-      const Use& u = n.uses[k];
-      const Bound& bd = pn.uses[k];
-      const int32_t id = a_.index.at(u.ref.buf.get());
-      switch (bd.bind) {
-        case Bind::kLocal: {
-          const RowLayout& l = st.slots[bd.slot].layout;
-          add(u.arg, u.elem, localize(u.ref.meta, l, rows), id, l.bytes(rows));
-          break;
-        }
-        case Bind::kNarrow:
-          if (bd.outer != 1) { // a gathered copy
-            const TensorMeta g = gathered_rows(u.ref.meta, bd.dim, bd.unit, bd.outer, rows);
-            add(u.arg, u.elem, g, next--, static_cast<int64_t>(g.extent_bytes()));
-            break;
-          }
-          add(u.arg, u.elem, narrow_rows(u.ref.meta, bd.dim, bd.unit, 0, rows), id,
-              static_cast<int64_t>(u.ref.buf->nbytes.load()));
-          break;
-        default:
-          add(u.arg, u.elem, u.ref.meta, id, static_cast<int64_t>(u.ref.buf->nbytes.load()));
-      }
-    }
-    std::vector<c10::IValue> args = n.args;
-    for (auto& v : args) {
-      if (v.isList()) v = c10::IValue(v.toList().copy());
-    }
-    for (size_t i = 0; i < args.size(); ++i) {
-      auto host = [&](const c10::IValue& v, int32_t elem) {
-        if (!v.isTensor() || !v.toTensor().defined() || v.toTensor().device().type() == c10::DeviceType::PrivateUse1) return;
-        at::Tensor t = v.toTensor();
-        for (const ConstNarrow& c : pn.consts) {
-          if (c.arg == static_cast<int32_t>(i) && c.elem == elem) t = t.narrow(c.dim, 0, rows * c.unit);
-        }
-        TensorMeta m = TensorMeta::of(*t.unsafeGetTensorImpl());
-        add(static_cast<int32_t>(i), elem, m, next--, static_cast<int64_t>(t.storage().nbytes()));
-      };
-      if (args[i].isList()) {
-        auto l = args[i].toList();
-        for (size_t e = 0; e < l.size(); ++e) host(l.get(e), static_cast<int32_t>(e));
-      } else {
-        host(args[i], -1);
-      }
-    }
-    for (const ArgRewrite& rw : pn.rewrites) {
-      int64_t v = rw.kind == ArgRewrite::kRows ? rw.base + rw.scale * rows
-          : rw.kind == ArgRewrite::kEnd        ? rw.base + rw.scale * rows
-                                               : rw.base;
-      if (rw.elem < 0) {
-        args[rw.arg] = c10::IValue(v);
-      } else {
-        args[rw.arg].toList().set(rw.elem, c10::IValue(v));
-      }
-    }
-    auto out = meta_probe(pn.op, args, ts);
-    if (!out) return "its meta kernel refuses a chunk's shapes";
-    for (size_t j = 0; j < n.defs.size(); ++j) {
-      const Def& d = n.defs[j];
-      const Bound& bd = pn.defs[j];
-      if (bd.bind == Bind::kDiscard) continue;
-      TensorMeta want = d.ref.meta;
-      if (bd.bind == Bind::kLocal) want = localize(d.ref.meta, st.slots[bd.slot].layout, rows);
-      if (bd.bind == Bind::kNarrow) {
-        want = bd.outer != 1 ? gathered_rows(d.ref.meta, bd.dim, bd.unit, bd.outer, rows)
-                             : narrow_rows(d.ref.meta, bd.dim, bd.unit, 0, rows);
-      }
-      const ProbeOutput::Item* got = out->find(d.ret, d.elem);
-      if (!got || got->dtype != want.dtype || !c10::IntArrayRef(got->sizes).equals(want.sizes)) {
-        if (pn.placeholder_outputs && got && (got->sizes.empty() || want.numel() == 0)) continue;
-        return "on a chunk's shapes its meta kernel gives other outputs than its rule says";
-      }
-    }
-    return "";
-  }
-
  private:
-  void explain() {
-    std::ostringstream os;
-    int64_t loops = 0, chunks = 0;
-    for (const Stage& st : plan_.stages) {
-      if (!st.loop) continue;
-      ++loops;
-      chunks = std::max<int64_t>(chunks, st.chunks());
-    }
-    os << "split along a batch of " << a_.batch << " rows: " << loops << (loops == 1 ? " pass" : " passes")
-       << ", up to " << chunks << " chunks";
-    plan_.notes.insert(plan_.notes.begin(), os.str());
-    for (int32_t i : a_.order) {
-      const NodeInfo& ni = a_.nodes[i];
-      if (!ni.barrier) continue;
-      plan_.notes.push_back("barrier: " + ni.node->describe() + " runs whole: " + (ni.rr.why ? ni.rr.why : "no rule"));
-    }
-    if (!plan_.retained.empty()) {
-      plan_.notes.push_back(std::to_string(plan_.retained.size()) +
-                            " nodes stay pending: batch-sharded values that survive are recomputed chunk by chunk "
-                            "when needed, not stored");
-    }
-    for (const Stage& st : plan_.stages) {
-      for (const FullStore& f : st.stores) {
-        if (f.host) plan_.notes.push_back("b" + std::to_string(f.buf->id) + " (" + format_bytes(f.buf->nbytes.load()) +
-                                          ") is assembled in host memory: it does not fit the device budget");
-      }
-    }
-    plan_.barriers = a_.barriers;
-    plan_.batch = a_.batch;
-  }
-
   const PlanInput& in_;
   const Schedule& s_;
   Plan& plan_;

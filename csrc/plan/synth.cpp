@@ -20,6 +20,8 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include "ops/rule_util.h"
+
 namespace lazymem {
 namespace {
 
@@ -86,11 +88,20 @@ struct Builder {
     return r;
   }
 
-  Expansion expansion(int32_t index) const {
+  // Commits the nodes in place of node `index`, which they replace (see commit), and records the
+  // expansion; `effect` (a made node's position, or -1) is undone by setting its argument
+  // `neutral_arg` to 0 should the plan stop early.
+  bool replace(int32_t index, const std::vector<bool>& loop, int32_t effect = -1, int32_t neutral_arg = -1) {
+    if (!commit(index, loop)) return false;
     Expansion e;
     e.index = index;
     for (int32_t i : made) e.made.push_back(a.nodes[i].node);
-    return e;
+    if (effect >= 0) {
+      e.effect = a.nodes[effect].node;
+      e.neutral_arg = neutral_arg;
+    }
+    a.expansions.push_back(std::move(e));
+    return true;
   }
 
   // Inserts the nodes before node `before` in the run order and settles them; `loop[k]` says whether
@@ -244,14 +255,7 @@ bool expand_forward(Analysis& a, int32_t i) {
   pass_arg(n, 2, args, ins, 4);
   b.node(op("lazymem::bn_apply", ""), std::move(args), std::move(ins), {{0, out->ref}});
   loop.push_back(true);
-  if (!b.commit(i, loop)) return false;
-  Expansion e = b.expansion(i);
-  if (effect >= 0) {
-    e.effect = a.nodes[effect].node;
-    e.neutral_arg = 6; // momentum 0: the running statistics stay as they are
-  }
-  a.expansions.push_back(std::move(e));
-  return true;
+  return b.replace(i, loop, effect, /*neutral_arg=*/6); // momentum 0: the running statistics stay as they are
 }
 
 // native_batch_norm_backward(grad_out, x, weight, running_mean, running_var, save_mean, save_invstd,
@@ -291,9 +295,7 @@ bool expand_backward(Analysis& a, int32_t i) {
     b.node(op("lazymem::bn_backward_elemt", ""), std::move(args), std::move(ins), {{0, gi->ref}});
     loop.push_back(true);
   }
-  if (!b.commit(i, loop)) return false;
-  a.expansions.push_back(b.expansion(i));
-  return true;
+  return b.replace(i, loop);
 }
 
 // x's sizes with `dims` kept as 1 (the shape of a keepdim reduction), after `lead` leading dims.
@@ -305,10 +307,6 @@ std::vector<int64_t> kept(c10::IntArrayRef sizes, const std::vector<int64_t>& di
   return out;
 }
 
-int64_t wrapped(int64_t d, size_t rank) {
-  return d < 0 ? d + std::max<int64_t>(static_cast<int64_t>(rank), 1) : d;
-}
-
 // _softmax(x, dim, half_to_float) / _log_softmax: lse = logsumexp(x, dim, keepdim) over a pass
 // (merged by logaddexp), then exp(x - lse) or x - lse per chunk.
 bool expand_softmax(Analysis& a, int32_t i, bool log) {
@@ -317,16 +315,14 @@ bool expand_softmax(Analysis& a, int32_t i, bool log) {
   const Def* out = def_at(n, 0);
   if (!x || !out || !n.args[1].isInt() || !n.args[2].isBool() || n.args[2].toBool()) return false;
   if (!c10::isFloatingType(x->ref.meta.dtype) || out->ref.meta.dtype != x->ref.meta.dtype) return false;
-  const int64_t dim = wrapped(n.args[1].toInt(), x->ref.meta.sizes.size());
+  const int64_t dim = rules::wrap_dim(n.args[1].toInt(), static_cast<int64_t>(x->ref.meta.sizes.size()));
   c10::IValue none;
   Builder b{a, n, {}};
   TensorRef lse = b.one(op("aten::logsumexp", ""), {none, c10::IValue(std::vector<int64_t>{dim}), c10::IValue(true)},
                         {{0, x->ref}}, contiguous(kept(x->ref.meta.sizes, {dim}), x->ref.meta.dtype));
   b.node(op("lazymem::softmax_from_lse", ""), {none, none, c10::IValue(log)}, {{0, x->ref}, {1, lse}},
          {{0, out->ref}});
-  if (!b.commit(i, {true, true})) return false;
-  a.expansions.push_back(b.expansion(i));
-  return true;
+  return b.replace(i, {true, true});
 }
 
 // _softmax_backward_data(grad, out, dim, input_dtype) / _log_softmax_backward_data: the sum over
@@ -339,16 +335,14 @@ bool expand_softmax_backward(Analysis& a, int32_t i, bool log) {
   if (!g || !y || !gi || !n.args[2].isInt()) return false;
   const c10::ScalarType dt = g->ref.meta.dtype;
   if (!c10::isFloatingType(dt) || y->ref.meta.dtype != dt || gi->ref.meta.dtype != dt) return false;
-  const int64_t dim = wrapped(n.args[2].toInt(), g->ref.meta.sizes.size());
+  const int64_t dim = rules::wrap_dim(n.args[2].toInt(), static_cast<int64_t>(g->ref.meta.sizes.size()));
   c10::IValue none;
   Builder b{a, n, {}};
   TensorRef s = b.one(op("lazymem::softmax_backward_reduce", ""), {none, none, c10::IValue(dim), c10::IValue(log)},
                       {{0, g->ref}, {1, y->ref}}, contiguous(kept(g->ref.meta.sizes, {dim}), dt));
   b.node(op("lazymem::softmax_backward_apply", ""), {none, none, none, c10::IValue(log)},
          {{0, g->ref}, {1, y->ref}, {2, s}}, {{0, gi->ref}});
-  if (!b.commit(i, {true, true})) return false;
-  a.expansions.push_back(b.expansion(i));
-  return true;
+  return b.replace(i, {true, true});
 }
 
 // var / std / var_mean / std_mean .correction(x, dim?, correction?, keepdim): Chan-merged moments
@@ -363,7 +357,7 @@ bool expand_moments(Analysis& a, int32_t i, bool sqrt) {
   std::vector<int64_t> dims;
   const c10::IValue& dv = n.args[1];
   if (dv.isIntList() && !dv.toIntList().empty()) {
-    for (int64_t d : dv.toIntList()) dims.push_back(wrapped(d, sizes.size()));
+    for (int64_t d : dv.toIntList()) dims.push_back(rules::wrap_dim(d, static_cast<int64_t>(x->ref.meta.sizes.size())));
   } else if (dv.isNone() || dv.isIntList()) {
     for (int64_t d = 0; d < static_cast<int64_t>(sizes.size()); ++d) dims.push_back(d);
   } else {
@@ -384,9 +378,7 @@ bool expand_moments(Analysis& a, int32_t i, bool sqrt) {
   b.node(op("lazymem::moments_finish", ""),
          {none, c10::IValue(correction), c10::IValue(count), c10::IValue(dims), n.args[3], c10::IValue(sqrt)},
          {{0, m}}, std::move(outs));
-  if (!b.commit(i, {true, false})) return false;
-  a.expansions.push_back(b.expansion(i));
-  return true;
+  return b.replace(i, {true, false});
 }
 
 } // namespace

@@ -61,8 +61,6 @@ def test_later_steps_reuse_the_plan_and_run_the_same_kernels():
     # once the workspace model has settled (it learns over the first steps), every step reuses
     assert all(s["plans_reused"] == 1 for s in stats[-3:]), [s["plans_reused"] for s in stats]
     assert all(s["plans_reused"] == 0 for s in stats0)
-    # planning a later step from the cache is far cheaper than planning it anew
-    assert sum(s["plan_ns"] for s in stats[-3:]) * 5 < sum(s["plan_ns"] for s in stats0[-3:])
 
 
 def test_a_new_shape_is_planned_anew_and_an_old_one_reused_again():

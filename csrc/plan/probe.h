@@ -1,0 +1,26 @@
+// plan: meta probes of chunk shapes. A loop node runs on a chunk's rows with operands bound as the
+// plan says (chunk-local storages, narrowed or gathered rows, host constants narrowed, int
+// arguments rewritten); its meta kernel is run on exactly those shapes, so a node whose meta kernel
+// refuses them, or gives outputs other than its placement rule said, is found before anything runs
+// (plan/split.cpp then makes it run whole).
+#pragma once
+
+#include <functional>
+#include <string>
+#include <unordered_map>
+
+#include "plan/plan.h"
+
+namespace lazymem {
+
+// Why node `pn` of loop `st` cannot run on a chunk of `rows` rows ("" when it can). `storage_of`
+// numbers the buffers (operands sharing a storage in the program share it in the probe).
+std::string probe_chunk(const Stage& st, const PlannedNode& pn, int64_t rows,
+                        const std::function<int32_t(const LazyBuffer*)>& storage_of);
+
+// Every loop node of `plan` probed on its full chunks and on the ragged last one: the nodes that
+// cannot run split, and why.
+std::unordered_map<const Node*, std::string> probe_plan(const Plan& plan,
+                                                       const std::function<int32_t(const LazyBuffer*)>& storage_of);
+
+} // namespace lazymem
