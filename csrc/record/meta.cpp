@@ -13,6 +13,7 @@
 #include "core/config.h"
 #include "core/runtime.h"
 #include "device/phantom.h"
+#include "record/layout.h"
 
 namespace lazymem {
 namespace {
@@ -177,7 +178,11 @@ std::shared_ptr<const MetaResult> run_meta(Call& call) {
       before[i] = {TensorMeta::of(*mirrors[i].unsafeGetTensorImpl()), mirrors[i].storage().nbytes()};
     }
   }
+  const bool layout = backing_layout_applies(call.op);
+  torch::jit::Stack args;
+  if (layout) args = stack;
   if (!dispatch_meta(call, stack)) return nullptr;
+  if (layout) apply_backing_layout(call.op, args, stack);
   auto result = std::make_shared<MetaResult>();
   const auto& returns = schema.returns();
   LAZYMEM_INTERNAL_ASSERT(stack.size() == returns.size(), "meta run of ", schema.name(), " returned ",

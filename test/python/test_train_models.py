@@ -3,6 +3,7 @@ CPU bitwise. The transformers models are built offline from tiny configs with ra
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -164,6 +165,49 @@ def test_llama_causal_lm():
     ids = tokens(128)
     train_twins(lambda: transformers.LlamaForCausalLM(cfg), lambda s: {"input_ids": ids(s), "labels": ids(s)},
                 hf_loss, steps=STEPS, make_opt=lambda p: torch.optim.AdamW(p, lr=1e-3))
+
+
+@quiet
+def test_convnext_depthwise_channels_last_layouts_match_eager():
+    # ConvNeXt's depthwise convolution reads a permuted (channels-last) input, so the CPU backend
+    # returns channels-last; the recorded layout is the kernel's, so nothing is copied into another
+    # layout and later ops see eager's strides (bitwise equal after AdamW steps).
+    cfg = transformers.ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2,
+                                      patch_size=2, image_size=16, num_labels=4)
+    torch_lazymem.reset_stats()
+
+    def batch(step):
+        g = torch.Generator().manual_seed(step)
+        return {"pixel_values": torch.randn(2, 3, 16, 16, generator=g),
+                "labels": torch.randint(0, 4, (2,), generator=g)}
+
+    train_twins(lambda: transformers.ConvNextForImageClassification(cfg), batch, hf_loss, steps=3,
+                make_opt=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    assert torch_lazymem.stats()["outputs_copied"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dims", [1, 2, 3])
+@pytest.mark.parametrize("groups", [1, 4])
+def test_convolution_layouts_are_the_backends(dtype, dims, groups):
+    torch.manual_seed(0)
+    conv = [nn.Conv1d, nn.Conv2d, nn.Conv3d][dims - 1](4, 8, 3, padding=1, groups=groups).to(dtype)
+    fmt = {2: torch.channels_last, 3: torch.channels_last_3d}.get(dims)
+    for x in (torch.randn(2, 4, *([6] * dims), dtype=dtype, requires_grad=True),
+              torch.randn(2, *([6] * dims), 4, dtype=dtype).movedim(-1, 1).requires_grad_()):
+        if fmt is not None:
+            conv = conv.to(memory_format=fmt)
+        lazy_conv = copy.deepcopy(conv).to("lazymem")
+        xl = x.detach().to("lazymem").requires_grad_()
+        torch_lazymem.reset_stats()
+        y, yl = conv(x), lazy_conv(xl)
+        assert yl.stride() == y.stride()
+        g = torch.randn_like(y)
+        (gx,) = torch.autograd.grad(y, x, g)
+        (gxl,) = torch.autograd.grad(yl, xl, g.to("lazymem"))
+        assert gxl.stride() == gx.stride()
+        assert torch.equal(yl.cpu(), y.detach()) and torch.equal(gxl.cpu(), gx)
+        assert torch_lazymem.stats()["outputs_copied"] == 0
 
 
 def test_training_loop_memory_returns_to_baseline():
