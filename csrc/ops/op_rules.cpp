@@ -64,6 +64,7 @@ OpRules compute(const c10::OperatorHandle& op) {
   r.eager_if_mask_index = name == "aten::index" || name == "aten::index_put_" ||
       name == "aten::index_put" || name == "aten::_index_put_impl_" || name == "aten::_unsafe_index_put";
   r.noop = noop_ops().count(name) > 0;
+  if (name == "lazymem::ragged_sink") r.state_arg = 3;
   r.random = op.hasTag(at::Tag::nondeterministic_seeded);
   const auto& args = schema.arguments();
   r.writes.assign(args.size(), 0);

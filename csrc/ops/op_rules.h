@@ -37,6 +37,9 @@ struct OpRules {
   // No tensor returns and no mutable arguments: kept for its side effect (asserts).
   bool effect_only = false;
   int32_t generator_arg = -1;
+  // An int argument naming per-call state rather than structure (the ragged sink's collector
+  // token): left out of meta-cache keys and plan fingerprints.
+  int32_t state_arg = -1;
   std::vector<int32_t> device_args;
   // For each argument: 0 = not written, 1 = written (in-place), 2 = written out= argument.
   std::vector<uint8_t> writes;

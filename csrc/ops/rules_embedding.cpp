@@ -228,6 +228,29 @@ bool advanced_index(const RuleCall& c, RuleResult& r) {
   return true;
 }
 
+// lazymem::ragged_sink(a, b?, kind, token, start, rows) -> count (execute/ragged.h): nonzero,
+// masked_select or boolean-mask indexing run on each chunk's rows, the pieces concatenated in row
+// order — equal to the whole result only when the batch is the leading dim of every operand (rows
+// of a chunk are then a contiguous run of the row-major order). Chunk k gets start = s_k * unit and
+// rows = n_k * unit (positions along dim 0); the counts sum.
+bool ragged_sink(const RuleCall& c, RuleResult& r) {
+  const Place* p = nullptr;
+  for (const Operand& o : c.ins) {
+    if (o.place.is_s()) p = &o.place;
+  }
+  if (!p) return replicated(c, r);
+  for (const Operand& o : c.ins) {
+    if (!o.place.is_s() || o.place.dim != 0 || o.place.outer != 1 || o.place.unit != p->unit) {
+      return fail(r, "a data-dependent op whose operands do not all carry the batch as their leading dim");
+    }
+  }
+  for (auto& m : r.ins) m = OperandMode::rows(0, *p);
+  r.outs[0] = Place::P(Reduce::kSum);
+  r.rewrites.push_back(ArgRewrite{4, -1, ArgRewrite::kStart, 0, p->unit});
+  r.rewrites.push_back(ArgRewrite{5, -1, ArgRewrite::kRows, 0, p->unit});
+  return true;
+}
+
 const bool registered = [] {
   register_placement_rules("embedding", {"aten::embedding"}, &embedding);
   register_placement_rules("embedding", {"aten::embedding_dense_backward"}, &embedding_backward);
@@ -242,6 +265,7 @@ const bool registered = [] {
                            {"aten::index.Tensor", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_",
                             "aten::_unsafe_index", "aten::_unsafe_index_put"},
                            &advanced_index);
+  register_placement_rules("index", {"lazymem::ragged_sink"}, &ragged_sink);
   return true;
 }();
 

@@ -166,7 +166,14 @@ Fingerprint fingerprint(const PlanInput& in) {
         break;
       }
     }
-    for (const c10::IValue& a : n->args) w.value(a, floats);
+    const int32_t state_arg = op_rules(n->op).state_arg;
+    for (size_t i = 0; i < n->args.size(); ++i) {
+      if (static_cast<int32_t>(i) == state_arg) {
+        w.put(10); // per-call state (a collector's token), not structure
+      } else {
+        w.value(n->args[i], floats);
+      }
+    }
     for (const Def& d : n->defs) {
       const int64_t c = canon(d.ref.buf.get(), d.ref.version);
       w.put(static_cast<uint32_t>(d.ret) | (static_cast<uint64_t>(static_cast<uint32_t>(d.elem)) << 32));

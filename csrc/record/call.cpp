@@ -191,7 +191,13 @@ struct Analyzer {
 void analyze_call(Call& call, bool allow_constants) {
   Analyzer a{call, allow_constants};
   call.key.words.push_back(reinterpret_cast<intptr_t>(&call.op.schema()));
-  for (size_t i = 0; i < call.num_args; ++i) a.value(call.arg(i), static_cast<int32_t>(i), -1, false);
+  for (size_t i = 0; i < call.num_args; ++i) {
+    if (static_cast<int32_t>(i) == call.rules.state_arg) {
+      call.key.words.push_back(0); // per-call state, not structure
+      continue;
+    }
+    a.value(call.arg(i), static_cast<int32_t>(i), -1, false);
+  }
   size_t h = 1469598103934665603ull;
   for (int64_t x : call.key.words) {
     h ^= static_cast<size_t>(x) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);

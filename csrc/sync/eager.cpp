@@ -2,7 +2,11 @@
 // item) or that have no meta kernel. It flushes what the op reads (everything pending when the op
 // writes, since pending readers must see the old values), runs the op on the backing device now,
 // and wraps its results as lazymem tensors whose buffers already hold real data.
+#include <algorithm>
+#include <array>
+
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/nonzero.h>
 #include <c10/core/GradMode.h>
 
 #include "core/check.h"
@@ -10,10 +14,12 @@
 #include "core/runtime.h"
 #include "device/generator.h"
 #include "device/phantom.h"
+#include "execute/ragged.h"
 #include "execute/replay.h"
 #include "execute/real.h"
 #include "ir/program.h"
 #include "ops/op_rules.h"
+#include "record/recorder.h"
 #include "sync/sync.h"
 
 namespace lazymem {
@@ -66,6 +72,112 @@ at::Tensor wrap_result(const at::Tensor& r, const std::vector<LazyArgRef>& args)
   return t;
 }
 
+// nonzero(a), masked_select(a, mask) and a[mask] (one boolean mask over a's leading dims) of a value
+// still pending: recorded as one lazymem::ragged_sink node and materialized with it, so the value is
+// consumed where it is computed — chunk by chunk when the plan splits, never stored whole — and the
+// pieces joined in row order (execute/ragged.h). Returns false when the call is not such an op.
+bool run_ragged(const c10::OperatorHandle& op, torch::jit::Stack& stack, size_t first) {
+  static const c10::OperatorName nonzero("aten::nonzero", ""), masked_select("aten::masked_select", ""),
+      index("aten::index", "Tensor");
+  const auto& name = op.operator_name();
+  RaggedKind kind;
+  at::Tensor a = stack[first].isTensor() ? stack[first].toTensor() : at::Tensor();
+  at::Tensor b;
+  if (!a.defined() || !is_lazy(a) || a.dim() == 0) return false;
+  if (name == nonzero) {
+    kind = RaggedKind::kNonzero;
+  } else if (name == masked_select) {
+    kind = RaggedKind::kMaskedSelect;
+    b = stack[first + 1].toTensor();
+    if (b.scalar_type() != at::kBool || !b.sizes().equals(a.sizes())) return false;
+  } else if (name == index) {
+    kind = RaggedKind::kMaskIndex;
+    auto l = stack[first + 1].toList();
+    if (l.size() != 1) return false;
+    c10::IValue m = l.get(0);
+    if (!m.isTensor()) return false;
+    b = m.toTensor();
+    if (b.scalar_type() != at::kBool || b.dim() == 0 || b.dim() > a.dim() ||
+        !b.sizes().equals(a.sizes().slice(0, b.dim()))) {
+      return false;
+    }
+  } else {
+    return false;
+  }
+  if (b.defined() && !is_lazy(b)) return false;
+  // Only a pending value gains from running inside its plan; real data runs as before.
+  bool pending = Program::get().pending_writer(*buffer_of(a)) != 0;
+  if (b.defined()) pending = pending || Program::get().pending_writer(*buffer_of(b)) != 0;
+  if (!pending) return false;
+
+  stats().ops_eager.fetch_add(1, std::memory_order_relaxed); // it runs now, inside its value's plan
+  static const auto sink = c10::Dispatcher::singleton().findSchemaOrThrow("lazymem::ragged_sink", "");
+  RaggedCollector collector;
+  torch::jit::Stack call{c10::IValue(a), b.defined() ? c10::IValue(b) : c10::IValue(), c10::IValue(static_cast<int64_t>(kind)),
+                         c10::IValue(collector.token()), c10::IValue(int64_t{0}), c10::IValue(int64_t{-1})};
+  LAZYMEM_INTERNAL_ASSERT(record_call(sink, &call) == Recorded::kDone, "lazymem::ragged_sink was not recorded");
+  const at::Tensor count = call.at(0).toTensor();
+  materialize({buffer_of(count)});
+  std::optional<at::Tensor> result;
+  {
+    auto lock = lock_flush();
+    ReplayScope scope;
+    result = collector.assemble(a.size(0));
+  }
+  LAZYMEM_INTERNAL_ASSERT(result.has_value(), op.schema().name(), ": the chunks' results do not cover the batch");
+  torch::jit::drop(stack, op.schema().arguments().size());
+  stack.push_back(wrap_result(*result, {}));
+  return true;
+}
+
+// Boolean masks among the indices of index_put_ and friends (and of index reads the ragged sink
+// does not take): replaced by the long indices eager's own kernels derive from them (ATen's
+// expandTensors: nonzero(mask), one column per masked dim), computed now — only the mask is read,
+// chunk by chunk when it is pending and batch-sharded — and the op recorded with them, so a masked
+// write leaves the written value and the rest of the step pending instead of running everything
+// recorded before it. Returns false when the op still has to run eagerly (index reads: their output
+// shape is data-dependent by tag; the long indices then run there) or when a mask is one eager
+// would reject (its own checks and messages then apply).
+bool run_mask_expanded(const c10::OperatorHandle& op, torch::jit::Stack& stack, size_t first) {
+  static const std::array<c10::OperatorName, 5> ops = {
+      c10::OperatorName("aten::index", "Tensor"), c10::OperatorName("aten::index_put_", ""),
+      c10::OperatorName("aten::index_put", ""), c10::OperatorName("aten::_index_put_impl_", ""),
+      c10::OperatorName("aten::_unsafe_index_put", "")};
+  if (std::find(ops.begin(), ops.end(), op.operator_name()) == ops.end()) return false;
+  if (!stack[first].isTensor() || !is_lazy(stack[first].toTensor())) return false;
+  const at::Tensor self = stack[first].toTensor();
+  auto indices = stack[first + 1].toList();
+  c10::List<std::optional<at::Tensor>> expanded;
+  int64_t dim = 0;
+  bool any_mask = false;
+  for (size_t i = 0; i < indices.size(); ++i) {
+    c10::IValue e = indices.get(i);
+    if (!e.isTensor() || !e.toTensor().defined()) {
+      expanded.push_back(std::nullopt);
+      ++dim;
+      continue;
+    }
+    at::Tensor t = e.toTensor();
+    if (t.scalar_type() == at::kByte) return false; // deprecated: eager warns
+    if (t.scalar_type() != at::kBool) {
+      expanded.push_back(t);
+      ++dim;
+      continue;
+    }
+    if (!is_lazy(t) || t.dim() == 0 || dim + t.dim() > self.dim()) return false;
+    for (int64_t k = 0; k < t.dim(); ++k) {
+      if (t.size(k) != self.size(dim + k)) return false;
+    }
+    const at::Tensor nz = at::nonzero(t); // this op's eager path: the mask alone is read
+    for (int64_t k = 0; k < t.dim(); ++k) expanded.push_back(nz.select(1, k));
+    dim += t.dim();
+    any_mask = true;
+  }
+  if (!any_mask) return false;
+  stack[first + 1] = c10::IValue(expanded);
+  return record_call(op, &stack) == Recorded::kDone;
+}
+
 } // namespace
 
 void run_eager(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -73,6 +185,8 @@ void run_eager(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const OpRules& rules = op_rules(op);
   const size_t n = schema.arguments().size();
   const size_t first = stack->size() - n;
+  if (!rules.any_write && !rules.random && run_ragged(op, *stack, first)) return;
+  if (rules.eager_if_mask_index && run_mask_expanded(op, *stack, first)) return;
   stats().ops_eager.fetch_add(1, std::memory_order_relaxed);
 
   std::vector<LazyArgRef> args;

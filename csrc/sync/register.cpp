@@ -130,6 +130,10 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   // Captured whole (CompositeExplicitAutograd, so autograd is unaffected): one node each.
   m.impl("convolution", torch::CppFunction::makeFromBoxedFunction<&sync_fallback>());
   m.impl("convolution_backward", torch::CppFunction::makeFromBoxedFunction<&sync_fallback>());
+  // logsumexp's composite calls its out= form, which no split rule can shard (a written output):
+  // captured functional, it replays through the same composite on the backing device and splits
+  // over the batch as a log-sum-exp pass.
+  m.impl("logsumexp", torch::CppFunction::makeFromBoxedFunction<&sync_fallback>());
   m.impl("convolution_overrideable", torch::CppFunction::makeFromBoxedFunction<&conv_overrideable>());
   m.impl("convolution_backward_overrideable",
          torch::CppFunction::makeFromBoxedFunction<&conv_backward_overrideable>());

@@ -63,6 +63,8 @@ CASES = {
     "cat_along_batch": (lambda x: torch.cat([x, x * 2, x.exp()], 0).sin(), 1),
     "stack_along_new_dim": (lambda x: torch.stack([x, x * 2], 0).cos(), 1),
     "slice_of_rows": (lambda x: (x[2:7] * 2).sum(0) + x.sum(0), 1),
+    "logsumexp_over_batch": (lambda x: x.logsumexp(0), 1),
+    "minus_logsumexp_over_batch": (lambda x: x - x.logsumexp(0, keepdim=True), 2),
 }
 
 
