@@ -3,10 +3,12 @@
 
 #include <atomic>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/index.h>
 #include <ATen/ops/masked_select.h>
 #include <ATen/ops/nonzero.h>
@@ -21,7 +23,10 @@ namespace lazymem {
 namespace {
 
 std::mutex g_mu;
-RaggedCollector* g_armed = nullptr;
+std::unordered_map<int64_t, RaggedCollector*>& armed() { // by token
+  static auto* m = new std::unordered_map<int64_t, RaggedCollector*>();
+  return *m;
+}
 std::atomic<int64_t> g_next_token{1};
 
 at::Tensor run_kind(RaggedKind kind, const at::Tensor& a, const std::optional<at::Tensor>& b) {
@@ -62,45 +67,49 @@ at::Tensor ragged_sink_meta(const at::Tensor& a, const std::optional<at::Tensor>
 
 RaggedCollector::RaggedCollector() : token_(g_next_token.fetch_add(1)) {
   std::lock_guard<std::mutex> lock(g_mu);
-  g_armed = this;
+  armed().emplace(token_, this);
 }
 
 RaggedCollector::~RaggedCollector() {
   std::lock_guard<std::mutex> lock(g_mu);
-  if (g_armed == this) g_armed = nullptr;
+  armed().erase(token_);
 }
 
 void RaggedCollector::offer(int64_t token, int64_t start, int64_t rows, const at::Tensor& piece, bool whole) {
   std::lock_guard<std::mutex> lock(g_mu);
-  if (!g_armed || g_armed->token_ != token) return; // a stale node: its caller is gone
+  auto it = armed().find(token);
+  if (it == armed().end()) return; // a stale node: its caller is gone
   at::Tensor kept = piece;
   if (!whole) {
     // A chunk's piece waits in host memory, not counted against the device.
     CountingScope host(nullptr);
     kept = piece.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
   }
-  g_armed->pieces_[start] = {rows, std::move(kept)};
+  it->second->pieces_[start] = Piece{rows, std::move(kept), whole};
 }
 
 std::optional<at::Tensor> RaggedCollector::assemble(int64_t total) {
   std::lock_guard<std::mutex> lock(g_mu);
   std::vector<at::Tensor> chain;
   int64_t at_row = 0;
-  while (at_row < total) {
+  bool whole = false;
+  do { // (an empty batch has one piece of 0 rows)
     auto it = pieces_.find(at_row);
-    if (it == pieces_.end() || it->second.first <= 0) return std::nullopt;
-    chain.push_back(it->second.second);
-    at_row += it->second.first;
-  }
-  if (at_row != total || chain.empty()) return std::nullopt;
-  if (chain.size() == 1 && chain[0].device() == backing_device()) return chain[0];
+    if (it == pieces_.end() || (it->second.rows <= 0 && total > 0)) return std::nullopt;
+    chain.push_back(it->second.value);
+    whole = it->second.whole;
+    at_row += it->second.rows;
+  } while (at_row < total);
+  if (at_row != total) return std::nullopt;
+  if (chain.size() == 1 && whole) return chain[0]; // already on the device, counted
   at::Tensor host;
   {
     CountingScope none(nullptr);
     host = chain.size() == 1 ? chain[0] : at::cat(chain);
   }
-  // The result lives on the device, allocated there like any eager result (counted).
-  at::Tensor out = at::empty(host.sizes(), host.options().device(backing_device()));
+  // The result lives on the device, allocated there like any eager result (counted), in the
+  // layout the kernel gave it.
+  at::Tensor out = at::empty_like(host, host.options().device(backing_device()));
   out.copy_(host);
   return out;
 }

@@ -26,7 +26,7 @@ enum class RaggedKind : int64_t { kNonzero = 0, kMaskedSelect = 1, kMaskIndex = 
 // The pieces one eager call collects while it is armed.
 class RaggedCollector {
  public:
-  RaggedCollector();   // arms a collector with a fresh token
+  RaggedCollector();   // arms a collector with a fresh token (one per call; threads may each arm one)
   ~RaggedCollector();  // disarms it
   RaggedCollector(const RaggedCollector&) = delete;
   RaggedCollector& operator=(const RaggedCollector&) = delete;
@@ -42,8 +42,13 @@ class RaggedCollector {
   static void offer(int64_t token, int64_t start, int64_t rows, const at::Tensor& piece, bool whole);
 
  private:
+  struct Piece {
+    int64_t rows = 0;
+    at::Tensor value;
+    bool whole = false; // computed over every row, left on the device (counted there)
+  };
   int64_t token_;
-  std::map<int64_t, std::pair<int64_t, at::Tensor>> pieces_; // first row -> (rows, piece)
+  std::map<int64_t, Piece> pieces_; // by first row
 };
 
 } // namespace lazymem

@@ -105,9 +105,12 @@ bool run_ragged(const c10::OperatorHandle& op, torch::jit::Stack& stack, size_t 
     return false;
   }
   if (b.defined() && !is_lazy(b)) return false;
+  LazyBuffer* ab = buffer_of(a);
+  LazyBuffer* bb = b.defined() ? buffer_of(b) : nullptr;
+  if (!ab || (b.defined() && !bb)) return false; // the eager path reports it
   // Only a pending value gains from running inside its plan; real data runs as before.
-  bool pending = Program::get().pending_writer(*buffer_of(a)) != 0;
-  if (b.defined()) pending = pending || Program::get().pending_writer(*buffer_of(b)) != 0;
+  bool pending = Program::get().pending_writer(*ab) != 0;
+  if (bb) pending = pending || Program::get().pending_writer(*bb) != 0;
   if (!pending) return false;
 
   stats().ops_eager.fetch_add(1, std::memory_order_relaxed); // it runs now, inside its value's plan
@@ -130,19 +133,17 @@ bool run_ragged(const c10::OperatorHandle& op, torch::jit::Stack& stack, size_t 
   return true;
 }
 
-// Boolean masks among the indices of index_put_ and friends (and of index reads the ragged sink
-// does not take): replaced by the long indices eager's own kernels derive from them (ATen's
-// expandTensors: nonzero(mask), one column per masked dim), computed now — only the mask is read,
-// chunk by chunk when it is pending and batch-sharded — and the op recorded with them, so a masked
-// write leaves the written value and the rest of the step pending instead of running everything
-// recorded before it. Returns false when the op still has to run eagerly (index reads: their output
-// shape is data-dependent by tag; the long indices then run there) or when a mask is one eager
-// would reject (its own checks and messages then apply).
+// Boolean masks among the indices of index_put_ and friends: replaced by the long indices eager's
+// own kernels derive from them (ATen's expandTensors: nonzero(mask), one column per masked dim),
+// computed now — only the mask is read, chunk by chunk when it is pending and batch-sharded — and
+// the write recorded with them, so it leaves the written value and the rest of the step pending
+// instead of running everything recorded before it. (Index reads stay eager: their output shape is
+// data-dependent by tag, and one flush for mask and value beats two.) Returns false when the call
+// has no such mask, or one eager would reject (its own checks and messages then apply).
 bool run_mask_expanded(const c10::OperatorHandle& op, torch::jit::Stack& stack, size_t first) {
-  static const std::array<c10::OperatorName, 5> ops = {
-      c10::OperatorName("aten::index", "Tensor"), c10::OperatorName("aten::index_put_", ""),
-      c10::OperatorName("aten::index_put", ""), c10::OperatorName("aten::_index_put_impl_", ""),
-      c10::OperatorName("aten::_unsafe_index_put", "")};
+  static const std::array<c10::OperatorName, 4> ops = {
+      c10::OperatorName("aten::index_put_", ""), c10::OperatorName("aten::index_put", ""),
+      c10::OperatorName("aten::_index_put_impl_", ""), c10::OperatorName("aten::_unsafe_index_put", "")};
   if (std::find(ops.begin(), ops.end(), op.operator_name()) == ops.end()) return false;
   if (!stack[first].isTensor() || !is_lazy(stack[first].toTensor())) return false;
   const at::Tensor self = stack[first].toTensor();

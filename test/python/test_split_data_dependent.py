@@ -248,3 +248,22 @@ def test_transformers_attention_mask_checks_leave_the_step_pending():
     assert mid["materializations"] >= 1  # the mask check
     assert mid["nodes_kept_pending"] > 0  # ...left the embeddings pending
     torch.testing.assert_close(got, want)
+
+
+def test_an_empty_batch_gives_eagers_empty_results():
+    x = torch.randn(0, 4, dtype=torch.float64)
+    xl = x.to("lazymem") * 2.0
+    assert torch.equal(xl.nonzero().cpu(), (x * 2.0).nonzero())
+    got = xl[xl[:, 0] > 0].cpu()
+    assert got.shape == (0, 4) and got.dtype == x.dtype
+    assert torch.masked_select(xl, xl > 0).cpu().shape == (0,)
+
+
+def test_a_channels_last_selection_keeps_the_kernels_layout():
+    x = torch.randn(B, 3, 4, 5, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    keep = torch.arange(B) % 2 == 0
+    want = (x * 2.0)[keep]
+    for chunks in (None, 3):
+        with force_chunks(chunks) if chunks else torch.no_grad():
+            got = ((x.to("lazymem") * 2.0)[keep.to("lazymem")]).cpu()
+        assert torch.equal(got, want)
