@@ -6,6 +6,19 @@
 
 namespace lazymem {
 
+TensorMeta TensorMeta::contiguous(c10::IntArrayRef sizes, c10::ScalarType dtype) {
+  TensorMeta m;
+  m.sizes.assign(sizes.begin(), sizes.end());
+  m.strides.resize(sizes.size());
+  int64_t st = 1;
+  for (size_t k = sizes.size(); k-- > 0;) {
+    m.strides[k] = st;
+    st *= std::max<int64_t>(sizes[k], 1);
+  }
+  m.dtype = dtype;
+  return m;
+}
+
 TensorMeta TensorMeta::of(const c10::TensorImpl& t) {
   TensorMeta m;
   m.sizes.assign(t.sizes().begin(), t.sizes().end());

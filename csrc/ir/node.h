@@ -30,6 +30,8 @@ struct TensorMeta {
   bool neg = false;
 
   static TensorMeta of(const c10::TensorImpl& t);
+  // A dense row-major view from offset 0 (strides as an empty tensor of these sizes gets).
+  static TensorMeta contiguous(c10::IntArrayRef sizes, c10::ScalarType dtype);
   int64_t numel() const;
   // Bytes from the start of the storage needed to hold every element of the view.
   size_t extent_bytes() const;

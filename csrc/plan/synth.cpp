@@ -25,19 +25,6 @@
 namespace lazymem {
 namespace {
 
-TensorMeta contiguous(c10::IntArrayRef sizes, c10::ScalarType dtype) {
-  TensorMeta m;
-  m.sizes.assign(sizes.begin(), sizes.end());
-  m.strides.resize(sizes.size());
-  int64_t st = 1;
-  for (size_t k = sizes.size(); k-- > 0;) {
-    m.strides[k] = st;
-    st *= std::max<int64_t>(sizes[k], 1);
-  }
-  m.dtype = dtype;
-  return m;
-}
-
 c10::OperatorHandle op(const char* name, const char* overload) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
 }
@@ -160,15 +147,15 @@ bool synthesize_total_weight(Analysis& a, int32_t nll) {
   Builder b{a, n, {}};
   c10::IValue none;
   TensorRef valid = b.one(op("aten::ne", "Scalar"), {none, c10::IValue(ignore)}, {{0, target->ref}},
-                          contiguous(tsizes, c10::kBool));
+                          TensorMeta::contiguous(tsizes, c10::kBool));
   TensorRef counted = valid;
   if (weight) {
     // w[t] where the target is valid, 0 elsewhere (ignored targets may be out of the weight's range).
     TensorRef safe = b.one(op("aten::where", "ScalarOther"), {none, none, c10::IValue(int64_t{0})},
-                           {{0, valid}, {1, target->ref}}, contiguous(tsizes, target->ref.meta.dtype));
+                           {{0, valid}, {1, target->ref}}, TensorMeta::contiguous(tsizes, target->ref.meta.dtype));
     TensorRef wt = b.one(op("aten::take", ""), {none, none}, {{0, weight->ref}, {1, safe}},
-                         contiguous(tsizes, weight->ref.meta.dtype));
-    counted = b.one(op("aten::mul", "Tensor"), {none, none}, {{0, wt}, {1, valid}}, contiguous(tsizes, dtype));
+                         TensorMeta::contiguous(tsizes, weight->ref.meta.dtype));
+    counted = b.one(op("aten::mul", "Tensor"), {none, none}, {{0, wt}, {1, valid}}, TensorMeta::contiguous(tsizes, dtype));
   }
   b.one(op("aten::sum", ""), {none, c10::IValue(dtype)}, {{0, counted}}, tw.ref.meta, tw.ref.buf);
   // They run right before the NLL node, which no longer produces the total weight when split: per
@@ -212,7 +199,7 @@ double float_arg(const c10::IValue& v) {
 
 TensorMeta stats_meta(int64_t channels, c10::ScalarType dtype) {
   const int64_t sizes[] = {2, channels};
-  return contiguous(sizes, dtype);
+  return TensorMeta::contiguous(sizes, dtype);
 }
 
 // native_batch_norm(x, weight, bias, running_mean!, running_var!, training, momentum, eps)
@@ -319,7 +306,7 @@ bool expand_softmax(Analysis& a, int32_t i, bool log) {
   c10::IValue none;
   Builder b{a, n, {}};
   TensorRef lse = b.one(op("aten::logsumexp", ""), {none, c10::IValue(std::vector<int64_t>{dim}), c10::IValue(true)},
-                        {{0, x->ref}}, contiguous(kept(x->ref.meta.sizes, {dim}), x->ref.meta.dtype));
+                        {{0, x->ref}}, TensorMeta::contiguous(kept(x->ref.meta.sizes, {dim}), x->ref.meta.dtype));
   b.node(op("lazymem::softmax_from_lse", ""), {none, none, c10::IValue(log)}, {{0, x->ref}, {1, lse}},
          {{0, out->ref}});
   return b.replace(i, {true, true});
@@ -339,7 +326,7 @@ bool expand_softmax_backward(Analysis& a, int32_t i, bool log) {
   c10::IValue none;
   Builder b{a, n, {}};
   TensorRef s = b.one(op("lazymem::softmax_backward_reduce", ""), {none, none, c10::IValue(dim), c10::IValue(log)},
-                      {{0, g->ref}, {1, y->ref}}, contiguous(kept(g->ref.meta.sizes, {dim}), dt));
+                      {{0, g->ref}, {1, y->ref}}, TensorMeta::contiguous(kept(g->ref.meta.sizes, {dim}), dt));
   b.node(op("lazymem::softmax_backward_apply", ""), {none, none, none, c10::IValue(log)},
          {{0, g->ref}, {1, y->ref}, {2, s}}, {{0, gi->ref}});
   return b.replace(i, {true, true});
@@ -372,7 +359,7 @@ bool expand_moments(Analysis& a, int32_t i, bool sqrt) {
   c10::IValue none;
   Builder b{a, n, {}};
   TensorRef m = b.one(op("lazymem::moments", ""), {none, c10::IValue(dims), c10::IValue(dt)}, {{0, x->ref}},
-                      contiguous(kept(sizes, dims, {2}), dt));
+                      TensorMeta::contiguous(kept(sizes, dims, {2}), dt));
   std::vector<std::pair<int32_t, TensorRef>> outs{{0, first->ref}};
   if (second) outs.emplace_back(1, second->ref);
   b.node(op("lazymem::moments_finish", ""),

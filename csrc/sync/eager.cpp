@@ -2,9 +2,6 @@
 // item) or that have no meta kernel. It flushes what the op reads (everything pending when the op
 // writes, since pending readers must see the old values), runs the op on the backing device now,
 // and wraps its results as lazymem tensors whose buffers already hold real data.
-#include <algorithm>
-#include <array>
-
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/nonzero.h>
 #include <c10/core/GradMode.h>
@@ -141,10 +138,7 @@ bool run_ragged(const c10::OperatorHandle& op, torch::jit::Stack& stack, size_t 
 // data-dependent by tag, and one flush for mask and value beats two.) Returns false when the call
 // has no such mask, or one eager would reject (its own checks and messages then apply).
 bool run_mask_expanded(const c10::OperatorHandle& op, torch::jit::Stack& stack, size_t first) {
-  static const std::array<c10::OperatorName, 4> ops = {
-      c10::OperatorName("aten::index_put_", ""), c10::OperatorName("aten::index_put", ""),
-      c10::OperatorName("aten::_index_put_impl_", ""), c10::OperatorName("aten::_unsafe_index_put", "")};
-  if (std::find(ops.begin(), ops.end(), op.operator_name()) == ops.end()) return false;
+  if (op.operator_name().name == "aten::index") return false; // (the caller checked eager_if_mask_index)
   if (!stack[first].isTensor() || !is_lazy(stack[first].toTensor())) return false;
   const at::Tensor self = stack[first].toTensor();
   auto indices = stack[first + 1].toList();

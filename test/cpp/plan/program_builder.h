@@ -15,16 +15,7 @@ struct T {
 };
 
 inline TensorMeta contiguous(std::vector<int64_t> sizes, c10::ScalarType dtype = c10::ScalarType::Double) {
-  TensorMeta m;
-  m.sizes.assign(sizes.begin(), sizes.end());
-  m.strides.resize(sizes.size());
-  int64_t st = 1;
-  for (size_t k = sizes.size(); k-- > 0;) {
-    m.strides[k] = st;
-    st *= sizes[k];
-  }
-  m.dtype = dtype;
-  return m;
+  return TensorMeta::contiguous(sizes, dtype);
 }
 
 inline T transposed(const T& t) {
