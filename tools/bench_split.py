@@ -19,6 +19,9 @@ same unmodified step under ``simulated_device(capacity)`` with the batch uploade
 (e) Plan reuse: per training case at lazymem's largest batch, planning time of the first step, of
     the later steps (their programs have the first's structure: the plan cache instantiates the
     stored plan; goal <= 10 us + 0.1 us per node) and of a later step with the cache off.
+(f) Values crossing passes that do not fit the device (the BatchNorm CNN's activations at its
+    largest batch): time per step when they are recomputed chunk by chunk (the default) and when
+    they are held in host memory (set_recompute(False)).
 
 A lazymem loss that differs from eager's beyond float32 tolerance (split results equal unsplit up to
 reassociation) is flagged. Steps are timed after warm-up (lazymem's first steps pay meta inference
@@ -254,6 +257,34 @@ def plan_reuse(case: Case, base: nn.Module, rows: int, steps: int) -> str:
             f"| {later / max(nodes, 1):.3f} | {anew:.0f} | {reused}/{steps} |")
 
 
+def cross_pass(case: Case, base: nn.Module, rows: int, steps: int) -> str | None:
+    """Values crossing passes that do not fit the device: recomputed (the default) against held in host
+    memory (set_recompute(False)), median ms per step of each (None if the plan has no such value)."""
+    results = []
+    for recompute in (True, False):
+        torch_lazymem.set_recompute(recompute)
+        try:
+            r = Runner(case, base, lazy=True)
+            ms: list[float] = []
+            counts = (0, 0)
+            for s in range(steps + 2):
+                torch_lazymem.reset_stats()
+                t0 = time.perf_counter()
+                r.step(case.batch(rows, s))
+                torch.lazymem.synchronize()
+                if s >= 2:
+                    ms.append((time.perf_counter() - t0) * 1e3)
+                st = torch_lazymem.stats()
+                counts = (st["values_recomputed"], st["values_in_host_memory"])
+            results.append((statistics.median(ms), counts))
+        finally:
+            torch_lazymem.set_recompute(True)
+    (rec_ms, (rec_n, _)), (host_ms, (_, host_n)) = results
+    if rec_n == 0 and host_n == 0:
+        return None
+    return f"| {case.name} | {rows} | {rec_n} | {rec_ms:.0f} | {host_n} | {host_ms:.0f} | {host_ms / rec_ms:.2f} |"
+
+
 def fmt_ratio(x: float, goal: float) -> str:
     return f"{x:.2f}{'' if x >= goal else ' (miss)'}"
 
@@ -271,7 +302,7 @@ def main() -> int:
     max_factor = 8 if args.quick else args.max_factor
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, simulated device; "
           f"median of {steps} steps after 2 warm-up steps\n")
-    rows_a, rows_b, rows_c, rows_e = [], [], [], []
+    rows_a, rows_b, rows_c, rows_e, rows_f = [], [], [], [], []
     for case in CASES:
         torch.manual_seed(0)
         base = case.model()
@@ -297,6 +328,9 @@ def main() -> int:
             timings = [a, b]
             if case.training:
                 rows_e.append(plan_reuse(case, base, b_e * best, steps))
+                row_f = cross_pass(case, base, b_e * best, steps)
+                if row_f:
+                    rows_f.append(row_f)
         for label, t in zip(("eager's largest", "lazymem's largest"), timings):
             r = t.predicted_vs_measured
             rows_c.append(f"| {case.name}, {label} | {len(r)} | {min(r):.3f} | {statistics.median(r):.3f} | "
@@ -321,6 +355,12 @@ def main() -> int:
     print("| case | batch | nodes | first step us | later steps us | us/node | cache off us | plans reused / later steps |"
           "\n|---|---|---|---|---|---|---|---|")
     print("\n".join(rows_e))
+    print("\n(f) values crossing passes that do not fit the device, at lazymem's largest batch: recomputed chunk by "
+          "chunk (the default) or held in host memory (set_recompute(False)); median ms per step, host ms / "
+          "recompute ms (on this CPU, host memory is the same memory: recomputing only costs)\n")
+    print("| case | batch | values recomputed | recompute ms | values in host memory | host ms | ratio |"
+          "\n|---|---|---|---|---|---|---|")
+    print("\n".join(rows_f) if rows_f else "| (no case had values crossing passes that did not fit) |")
     return 0
 
 

@@ -69,6 +69,22 @@ def set_memory_budget(budget: Union[int, str, None]) -> None:
     _C._set_memory_budget(nbytes)
 
 
+def set_recompute(enabled: bool = True) -> None:
+    """What a split does with a batch-sharded value that crosses passes over the batch (batch norm in
+    training, reductions over the batch used in the same step) when storing it whole does not fit the
+    device budget: recompute it chunk by chunk in each pass that reads it, when the nodes computing it
+    can run again (the default), else hold it in host memory; ``False`` always holds it in host memory.
+    Values that fit on the device are stored either way. Also ``LAZYMEM_RECOMPUTE=0``."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"lazymem: set_recompute expects True or False, got {enabled!r}")
+    _C._set_recompute(enabled)
+
+
+def recompute() -> bool:
+    """Whether values crossing passes that do not fit the device are recomputed (see set_recompute)."""
+    return bool(_C._recompute())
+
+
 def memory_budget() -> int:
     """The budget in bytes the next materialization is planned against (-1: unknown, no limit)."""
     return int(_C._memory_budget())

@@ -41,6 +41,8 @@ std::map<std::string, int64_t> Stats::snapshot() const {
       {"plan_ns", ld(plan_ns)},
       {"nodes_planned", ld(nodes_planned)},
       {"plans_reused", ld(plans_reused)},
+      {"values_recomputed", ld(values_recomputed)},
+      {"values_in_host_memory", ld(values_in_host_memory)},
   };
 }
 
@@ -68,6 +70,8 @@ void Stats::reset() {
   plan_ns = 0;
   nodes_planned = 0;
   plans_reused = 0;
+  values_recomputed = 0;
+  values_in_host_memory = 0;
 }
 
 static Config* make_config() {
@@ -76,6 +80,7 @@ static Config* make_config() {
     c->debug = std::atoi(d) > 0 ? std::atoi(d) : (std::string(d).empty() || std::string(d) == "0" ? 0 : 1);
   }
   if (const char* p = std::getenv("LAZYMEM_PLAN_CACHE")) c->plan_cache = std::string(p) != "0";
+  if (const char* p = std::getenv("LAZYMEM_RECOMPUTE")) c->recompute = std::string(p) != "0";
   if (const char* n = std::getenv("LAZYMEM_FLUSH_NODES")) {
     c->flush_threshold_nodes = std::strtoull(n, nullptr, 10);
   }

@@ -35,6 +35,8 @@ struct Stats {
   std::atomic<uint64_t> plan_ns{0};          // time spent planning (make_plan), summed
   std::atomic<uint64_t> nodes_planned{0};    // nodes given to the planner, summed
   std::atomic<uint64_t> plans_reused{0};     // materializations whose plan came from the plan cache
+  std::atomic<uint64_t> values_recomputed{0};  // values crossing passes recomputed per pass, not stored
+  std::atomic<uint64_t> values_in_host_memory{0}; // batch-sharded values a split assembled in host memory
   std::map<std::string, int64_t> snapshot() const;
   void reset();
 };
@@ -62,6 +64,13 @@ struct Config {
   // Reuse plans across materializations of programs with the same structure (LAZYMEM_PLAN_CACHE=0
   // disables; plan/reuse.h).
   std::atomic<bool> plan_cache{true};
+  // A batch-sharded value that crosses passes of a split and does not fit the device budget is
+  // recomputed chunk by chunk where it is read, when its computation can run again (true), else it
+  // is held in host memory; false: always host memory. LAZYMEM_RECOMPUTE=0,
+  // torch_lazymem.set_recompute().
+  std::atomic<bool> recompute{true};
+  // Recompute every value crossing passes that can be, fitting or not (testing).
+  std::atomic<bool> force_recompute{false};
 };
 Config& config();
 

@@ -140,11 +140,13 @@ class Walker {
 
   // After a refused allocation: the node tried to hold its outputs plus at least this much beyond
   // them (the kernel's transients are freed by now). Learned as a lower bound of its workspace, so a
-  // new plan of the same program accounts for it. True if that is more than was known.
+  // new plan of the same program accounts for it. True if that is more than was known. As in
+  // learn(), outputs the node does not keep (a chunk's result copied into full storage, or dropped)
+  // are part of the workspace: the memory model counts them there.
   bool learn_from_failure(const PlannedNode& pn, const Binder& binder, int64_t rows) {
     int64_t outputs = 0;
     for (size_t i = 0; i < pn.node->defs.size(); ++i) {
-      if (pn.defs.empty() || pn.defs[i].bind != Bind::kDiscard) {
+      if (pn.defs.empty() || (pn.defs[i].bind != Bind::kDiscard && pn.defs[i].bind != Bind::kNarrow)) {
         outputs += static_cast<int64_t>(binder.def_meta(pn, i).extent_bytes());
       }
     }

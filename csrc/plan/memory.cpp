@@ -252,8 +252,9 @@ std::vector<const MemPoint*> MemoryModel::over(int64_t budget) const {
   return out;
 }
 
-bool choose_chunks(Plan& plan, int64_t budget, int64_t forced, std::vector<std::string>& notes) {
-  for (int attempt = 0; attempt < 32; ++attempt) {
+ChunkChoice choose_chunks(Plan& plan, int64_t budget, int64_t forced, std::vector<std::string>& notes,
+                          const std::function<Relief(const FullStore&)>& relieve) {
+  for (;;) { // each round moves one store off the device, or returns
     MemoryModel model = model_memory(plan);
     bool ok = true;
     for (size_t s = 0; s < plan.stages.size(); ++s) {
@@ -275,10 +276,10 @@ bool choose_chunks(Plan& plan, int64_t budget, int64_t forced, std::vector<std::
     const MemPoint* where = nullptr;
     plan.predicted_peak = model.peak(plan, &where);
     model.annotate(plan);
-    if (ok && (forced > 0 || budget < 0 || plan.predicted_peak <= budget)) return true;
-    // Values stored whole on the device do not fit: the largest goes to host memory (a result
-    // larger than the budget is assembled there and downloaded from there; a value crossing passes
-    // is written there and read back chunk by chunk).
+    if (ok && (forced > 0 || budget < 0 || plan.predicted_peak <= budget)) return ChunkChoice::kFits;
+    // Values stored whole on the device do not fit: the largest is recomputed where it is read (the
+    // caller's choice) or goes to host memory (a result larger than the budget is assembled there and
+    // downloaded from there; a value crossing passes is written there and read back chunk by chunk).
     FullStore* biggest = nullptr;
     for (Stage& st : plan.stages) {
       for (FullStore& f : st.stores) {
@@ -294,11 +295,11 @@ bool choose_chunks(Plan& plan, int64_t budget, int64_t forced, std::vector<std::
            << " must be held whatever the chunk size";
       }
       notes.push_back(os.str());
-      return false;
+      return ChunkChoice::kNoFit;
     }
+    if (relieve && relieve(*biggest) == Relief::kRecompute) return ChunkChoice::kReplan;
     biggest->host = true;
   }
-  return false;
 }
 
 } // namespace lazymem

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -47,10 +48,20 @@ MemoryModel model_memory(const Plan& plan);
 // to one when that adds no chunk.
 int64_t balanced_chunk(int64_t batch, int64_t cmax, int64_t align = 8);
 
+// What becomes of a value stored whole on the device when no chunk size fits with it there.
+enum class Relief : uint8_t {
+  kHost,      // assembled in host memory and read back chunk by chunk
+  kRecompute, // the caller plans it again, recomputed chunk by chunk where it is read
+};
+
+enum class ChunkChoice : uint8_t { kFits, kNoFit, kReplan };
+
 // Sets each loop's chunk size: the largest that fits `budget` (-1: unlimited), balanced over the
 // batch and aligned, or `forced` chunks per loop (> 0, testing); then the plan's predicted peak.
-// When stored values make every size too large, the largest goes to host memory and sizes are
-// chosen again. False (with a note) when nothing fits.
-bool choose_chunks(Plan& plan, int64_t budget, int64_t forced, std::vector<std::string>& notes);
+// When stored values make every size too large, the largest is given up: `relieve` (if any) says
+// how; kHost moves it to host memory and sizes are chosen again, kRecompute returns kReplan (the
+// caller rebuilds the plan without that store). kNoFit (with a note) when nothing fits.
+ChunkChoice choose_chunks(Plan& plan, int64_t budget, int64_t forced, std::vector<std::string>& notes,
+                          const std::function<Relief(const FullStore&)>& relieve = {});
 
 } // namespace lazymem

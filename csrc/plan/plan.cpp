@@ -110,6 +110,7 @@ std::string node_line(const PlannedNode& pn) {
       if (!pn.defs.empty() && pn.defs[j].bind != Bind::kWhole) os << ":" << bind_name(pn.defs[j].bind);
     }
   }
+  if (pn.recompute) os << " [recomputed]";
   if (pn.rng_block) os << " [random, rows keyed in blocks of " << pn.rng_block << "]";
   if (!pn.rewrites.empty()) os << " [" << pn.rewrites.size() << " args per chunk]";
   if (pn.op != n.op) os << " [runs as " << pn.op.operator_name().name << "]";
@@ -144,6 +145,22 @@ void note_split(Plan& plan, const Analysis& a) {
       if (f.host) plan.notes.push_back("b" + std::to_string(f.buf->id) + " (" + format_bytes(f.buf->nbytes.load()) +
                                        ") is assembled in host memory: it does not fit the device budget");
     }
+  }
+  std::vector<const LazyBuffer*> recomputed;
+  int64_t recomputed_bytes = 0;
+  size_t again = 0;
+  for (const Stage& st : plan.stages) {
+    for (const PlannedNode& pn : st.nodes) again += pn.recompute;
+    for (const LazyBuffer* b : st.recomputed) {
+      if (std::find(recomputed.begin(), recomputed.end(), b) != recomputed.end()) continue;
+      recomputed.push_back(b);
+      recomputed_bytes += static_cast<int64_t>(b->nbytes.load());
+    }
+  }
+  if (!recomputed.empty()) {
+    plan.notes.push_back(std::to_string(recomputed.size()) + " values crossing passes (" + format_bytes(recomputed_bytes) +
+                         ") are recomputed chunk by chunk in the passes that read them (" + std::to_string(again) +
+                         " node runs) instead of stored");
   }
   plan.barriers = a.barriers;
   plan.batch = a.batch;
@@ -207,6 +224,14 @@ std::string Plan::to_string(bool nodes) const {
       for (const FullStore& f : st.stores) {
         os << "    b" << f.buf->id << " batch-sharded, assembled whole in " << (f.host ? "host memory" : "device memory")
            << ": " << format_bytes(static_cast<int64_t>(f.buf->nbytes.load())) << "\n";
+      }
+      if (!st.recomputed.empty()) {
+        size_t again = 0;
+        for (const PlannedNode& pn : st.nodes) again += pn.recompute;
+        os << "    recomputed chunk by chunk from an earlier pass (" << again << (again == 1 ? " node" : " nodes")
+           << " run again), not stored:";
+        for (const LazyBuffer* b : st.recomputed) os << " b" << b->id << " " << format_bytes(static_cast<int64_t>(b->nbytes.load()));
+        os << "\n";
       }
     }
     if (nodes) {

@@ -85,6 +85,8 @@ struct PlannedNode {
   bool placeholder_outputs = false; // outputs whose shapes the kernel may not match (BN placeholders)
   int64_t predicted = 0;            // the memory model's device bytes while it runs (LAZYMEM_DEBUG=3)
   uint32_t rng_block = 0;           // > 0: random draws keyed by blocks of this many batch rows
+  bool recompute = false;           // a node of an earlier loop run again here for a chunk's rows
+                                    // (its results other than chunk-local values are dropped)
 
   PlannedNode(Node* n, int32_t i) : node(n), index(i), op(n->op) {}
 };
@@ -122,6 +124,9 @@ struct Stage {
   // Buffers with full storage this loop writes row by row, and their versions when it ends.
   std::vector<std::pair<LazyBuffer*, uint32_t>> written;
   std::vector<LazyBuffer*> release_after; // whole buffers whose last use is in this stage
+  // Values an earlier loop computed that this loop computes again chunk by chunk (nodes marked
+  // `recompute`) instead of reading them from storage: they did not fit the device budget.
+  std::vector<LazyBuffer*> recomputed;
   int64_t chunks() const {
     return chunk > 0 ? (batch + chunk - 1) / chunk : 0;
   }

@@ -222,7 +222,8 @@ Fingerprint fingerprint(const PlanInput& in) {
   w.put(uint64_t{in.budget < 0});
   w.put_i(in.resident);
   w.put_i(in.force_chunks);
-  w.put(uint64_t{in.keep_pending} | (uint64_t{config().debug.load(std::memory_order_relaxed) >= 3} << 1));
+  w.put(uint64_t{in.keep_pending} | (uint64_t{config().debug.load(std::memory_order_relaxed) >= 3} << 1) |
+        (static_cast<uint64_t>(in.recompute) << 2));
   w.put(Workspace::get().generation());
   w.finish();
   fp.cacheable = w.ok;
@@ -289,6 +290,7 @@ void visit(Plan& p, FB&& fb, FN&& fn, FV&& fv) {
       fb(b);
     }
     for (LazyBuffer*& b : st.release_after) fb(b);
+    for (LazyBuffer*& b : st.recomputed) fb(b);
   }
   for (Expansion& e : p.expansions) {
     for (const Node*& m : e.made) {

@@ -2,6 +2,7 @@
 #include "plan/split.h"
 
 #include <algorithm>
+#include <functional>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -44,8 +45,41 @@ class SplitBuilder {
     stages_ = assign_stages(a_);
     if (stages_ < 0) return refuse();
     decide_storage();
-    emit();
-    if (!choose_chunks(plan_, in_.budget, in_.force_chunks, a_.notes)) return refuse();
+    if (in_.recompute == PlanInput::Recompute::kAlways) {
+      for (size_t b = 0; b < a_.bufs.size(); ++b) {
+        if (recompute_candidate(static_cast<int32_t>(b))) try_recompute(static_cast<int32_t>(b));
+      }
+    }
+    // Emit, then size the loops; a stored value that does not fit is recomputed (the plan emitted
+    // again) or moved to host memory; a recomputation emission found impossible is stored instead.
+    for (;;) {
+      emit();
+      if (!blamed_.empty()) {
+        for (int32_t b : blamed_) {
+          if (!recompute_[b]) {
+            a_.notes.push_back("recomputing b" + std::to_string(a_.bufs[b].buf->id) + " chunk by chunk would read a "
+                               "value another node of the same pass has overwritten");
+            return refuse();
+          }
+          recompute_[b] = 0;
+          refused_[b] = 1;
+        }
+        blamed_.clear();
+        update_full();
+        if (!recomputations_valid()) { // (another's recomputation went through a value now stored)
+          for (size_t b = 0; b < recompute_.size(); ++b) refused_[b] = refused_[b] || recompute_[b];
+          recompute_.assign(recompute_.size(), 0);
+          update_full();
+        }
+        reset_emission();
+        continue;
+      }
+      const ChunkChoice c = choose_chunks(plan_, in_.budget, in_.force_chunks, a_.notes,
+                                          [&](const FullStore& f) { return relieve(f); });
+      if (c == ChunkChoice::kFits) break;
+      if (c == ChunkChoice::kNoFit) return refuse();
+      reset_emission();
+    }
     note_split(plan_, a_);
     return true;
   }
@@ -229,23 +263,34 @@ class SplitBuilder {
   }
 
   // Full storage for batch-sharded values that must exist whole: results, values that survive the
-  // plan and are not kept pending, values read or written whole, values that cross stages (except
-  // uploads, which each loop reads again from the host).
+  // plan and are not kept pending, values read or written whole (other_), and values that cross
+  // stages (cross_) unless they are recomputed where they are read (uploads always are: each loop
+  // that reads a leaf's rows uploads them again).
   void decide_storage() {
     const size_t nb = a_.bufs.size();
-    full_.assign(nb, 0);
+    other_.assign(nb, 0);
+    cross_.assign(nb, 0);
+    recompute_.assign(nb, 0);
+    refused_.assign(nb, 0);
     host_.assign(nb, 0);
     std::vector<int32_t> stage_of(nb, -1);
     auto touch = [&](int32_t b, int32_t stage, bool whole, bool uploaded) {
       if (!a_.bufs[b].place.is_s()) return;
-      if (whole) full_[b] = 1;
-      if (uploaded) return; // each loop that reads a leaf's rows uploads them again
-      if (stage_of[b] >= 0 && stage_of[b] != stage) full_[b] = 1;
+      if (whole) other_[b] = 1;
+      if (uploaded) return;
+      if (stage_of[b] >= 0 && stage_of[b] != stage) cross_[b] = 1;
       stage_of[b] = stage;
     };
+    writes_.assign(nb, {});
     for (int32_t i : a_.order) {
       const NodeInfo& ni = a_.nodes[i];
       const Node& n = *ni.node;
+      for (size_t k = 0; k < n.uses.size(); ++k) {
+        if (n.uses[k].write) writes_[ni.use_buf[k]].emplace_back(ni.stage, n.uses[k].write_version);
+      }
+      for (size_t j = 0; j < n.defs.size(); ++j) {
+        if (!ni.discard[j]) writes_[ni.def_buf[j]].emplace_back(ni.stage, n.defs[j].ref.version);
+      }
       if (is_upload(i)) continue;
       for (size_t k = 0; k < n.uses.size(); ++k) {
         const int32_t p = n.uses[k].full_overwrite() ? -1 : producer(ni.use_buf[k], n.uses[k].ref.version);
@@ -258,8 +303,113 @@ class SplitBuilder {
     for (size_t b = 0; b < nb; ++b) {
       const BufInfo& bi = a_.bufs[b];
       if (!bi.place.is_s()) continue;
-      if (bi.resident || bi.needed || (bi.live && !kept_[b]) || pinned_[b]) full_[b] = 1;
+      if (bi.resident || bi.needed || (bi.live && !kept_[b]) || pinned_[b]) other_[b] = 1;
     }
+    update_full();
+  }
+
+  void update_full() {
+    full_.assign(a_.bufs.size(), 0);
+    for (size_t b = 0; b < a_.bufs.size(); ++b) {
+      full_[b] = a_.bufs[b].place.is_s() && (other_[b] || (cross_[b] && !recompute_[b]));
+    }
+  }
+
+  // ---- recomputation of values crossing stages ----
+
+  // A buffer whose storage is only needed because loops after the one computing it read its rows.
+  bool recompute_candidate(int32_t b) const {
+    return cross_[b] && !other_[b] && !recompute_[b] && !refused_[b];
+  }
+
+  bool local(int32_t b) const {
+    return a_.bufs[b].place.is_s() && !full_[b];
+  }
+
+  // Whether a node running before stage `s` ends writes a version of `b` after `version`.
+  bool overwritten(int32_t b, uint32_t version, int32_t s) const {
+    for (auto [stage, v] : writes_[b]) {
+      if (stage <= s && v > version) return true;
+    }
+    return false;
+  }
+
+  // Whether the nodes computing `version` of `b` can run again for a chunk's rows in loop stage `s`,
+  // collecting them in `cone`: each is a loop node of an earlier stage that draws no random numbers
+  // and has no effect, writes nothing but chunk-local values (its whole or partial results are
+  // dropped when it runs again) and reads either chunk-local values (computed again in turn) or
+  // values still unchanged when `s` runs (weights, finished reductions, stored rows).
+  static constexpr size_t kMaxCone = 128;
+  bool walk(int32_t b, uint32_t version, int32_t s, std::unordered_set<int32_t>& cone) const {
+    const int32_t p = producer(b, version);
+    if (p < 0 || !exec_[p]) return false;
+    if (cone.count(p)) return true;
+    const NodeInfo& ni = a_.nodes[p];
+    const Node& n = *ni.node;
+    if (!ni.loop || ni.stage >= s || n.effectful || n.random || ni.barrier) return false;
+    cone.insert(p);
+    if (cone.size() > kMaxCone) return false;
+    for (size_t j = 0; j < n.defs.size(); ++j) {
+      if (!ni.discard[j] && !ni.rr.outs[j].is_s() && !ni.rr.outs[j].is_p()) return false; // a whole result
+    }
+    for (size_t k = 0; k < n.uses.size(); ++k) {
+      const Use& u = n.uses[k];
+      const Mode m = ni.rr.ins[k].mode;
+      if (m == Mode::kPartial) return false;
+      const bool rows = m == Mode::kRows && local(ni.use_buf[k]);
+      if (u.write && !rows) return false;
+      if (u.full_overwrite()) continue;
+      if (rows ? !walk(ni.use_buf[k], u.ref.version, s, cone) : overwritten(ni.use_buf[k], u.ref.version, s)) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  // Every recomputed value can be computed again in each loop that reads it.
+  bool recomputations_valid() const {
+    for (int32_t i : a_.order) {
+      const NodeInfo& ni = a_.nodes[i];
+      if (!ni.loop) continue;
+      for (size_t k = 0; k < ni.node->uses.size(); ++k) {
+        const int32_t b = ni.use_buf[k];
+        const Use& u = ni.node->uses[k];
+        if (!recompute_[b] || u.full_overwrite()) continue;
+        const int32_t p = producer(b, u.ref.version);
+        if (p >= 0 && a_.nodes[p].stage == ni.stage) continue;
+        std::unordered_set<int32_t> cone;
+        if (!walk(b, u.ref.version, ni.stage, cone)) return false;
+      }
+    }
+    return true;
+  }
+
+  bool try_recompute(int32_t b) {
+    recompute_[b] = 1;
+    update_full();
+    if (recomputations_valid()) return true;
+    recompute_[b] = 0;
+    refused_[b] = 1;
+    update_full();
+    return false;
+  }
+
+  // choose_chunks: the largest store on the device does not fit.
+  Relief relieve(const FullStore& f) {
+    const int32_t b = a_.index.at(f.buf);
+    if (in_.recompute != PlanInput::Recompute::kNever && recompute_candidate(b) && try_recompute(b)) {
+      return Relief::kRecompute;
+    }
+    host_[b] = 1;
+    return Relief::kHost;
+  }
+
+  void reset_emission() {
+    plan_.stages.clear();
+    plan_.expansions.clear();
+    plan_.release_unused.clear();
+    plan_.split = false;
+    unnarrowable_.clear();
   }
 
   // ---- emission ----
@@ -267,7 +417,7 @@ class SplitBuilder {
   struct LoopState {
     std::unordered_map<int32_t, int32_t> slot;   // buffer -> slot
     std::unordered_map<int32_t, size_t> last;    // slot -> index of its last access in the body
-    std::unordered_set<int32_t> uploaded;        // upload nodes already in the body
+    std::unordered_map<int32_t, uint32_t> held;  // chunk-local buffer -> the version its slot holds
   };
 
   int32_t slot_of(Stage& st, LoopState& ls, int32_t b, Store store) {
@@ -312,6 +462,10 @@ class SplitBuilder {
       dim = m.dim;
       unit = m.unit;
       outer = m.outer;
+    }
+    if (def && copying_ && (mode != Mode::kRows || !local(b))) {
+      bd.bind = Bind::kDiscard; // run again for its chunk-local results only
+      return bd;
     }
     if (mode == Mode::kWhole) return bd;
     bd.dim = dim;
@@ -360,10 +514,12 @@ class SplitBuilder {
     return g;
   }
 
-  PlannedNode planned_loop_node(Stage& st, LoopState& ls, int32_t i, size_t body_index) {
+  PlannedNode planned_loop_node(Stage& st, LoopState& ls, int32_t i, size_t body_index, bool copy) {
     const NodeInfo& ni = a_.nodes[i];
     const Node& n = *ni.node;
     PlannedNode pn(ni.node, i < static_cast<int32_t>(in_.nodes.size()) ? i : -1);
+    pn.recompute = copy && !is_upload(i);
+    copying_ = copy;
     if (ni.rr.replace_op) {
       std::string full(ni.rr.replace_op);
       auto dot = full.find('.');
@@ -387,6 +543,7 @@ class SplitBuilder {
     pn.post_div_written = ni.rr.post_div_written;
     pn.placeholder_outputs = op_rules(n.op).placeholder_outputs;
     if (n.random && !ni.rr.no_draws) pn.rng_block = rng_block(ni);
+    copying_ = false;
     return pn;
   }
 
@@ -422,9 +579,15 @@ class SplitBuilder {
       st.batch = a_.batch;
       LoopState ls;
       std::unordered_map<int32_t, uint32_t> written; // full buffers written here -> last version
-      auto add = [&](int32_t i) {
-        PlannedNode pn = planned_loop_node(st, ls, i, st.nodes.size());
+      auto add = [&](int32_t i, bool copy) {
+        PlannedNode pn = planned_loop_node(st, ls, i, st.nodes.size(), copy);
         const NodeInfo& ni = a_.nodes[i];
+        for (size_t k = 0; k < ni.use_buf.size(); ++k) {
+          if (ni.node->uses[k].write && pn.uses[k].bind == Bind::kLocal) ls.held[ni.use_buf[k]] = ni.node->uses[k].write_version;
+        }
+        for (size_t j = 0; j < ni.def_buf.size(); ++j) {
+          if (pn.defs[j].bind == Bind::kLocal) ls.held[ni.def_buf[j]] = ni.node->defs[j].ref.version;
+        }
         for (size_t k = 0; k < ni.use_buf.size(); ++k) {
           const int32_t b = ni.use_buf[k];
           if (pn.uses[k].bind == Bind::kWhole || pn.uses[k].bind == Bind::kNarrow) last[b] = {si, st.nodes.size()};
@@ -442,20 +605,55 @@ class SplitBuilder {
         }
         st.nodes.push_back(std::move(pn));
       };
+      // Chunk-local values an earlier loop computed (a leaf's upload, a value recomputed instead of
+      // stored): the nodes computing them run again for the chunk's rows, inputs first. `target`
+      // is the value a node of this loop reads; false (and `target` blamed) if a version it needs
+      // was overwritten in this loop already.
+      std::function<bool(int32_t, uint32_t, int32_t)> ensure = [&](int32_t b, uint32_t version, int32_t target) {
+        auto h = ls.held.find(b);
+        if (h != ls.held.end() && h->second == version) return true;
+        const int32_t p = producer(b, version);
+        if ((h != ls.held.end() && h->second > version) || p < 0) {
+          blamed_.push_back(target);
+          return false;
+        }
+        const NodeInfo& pi = a_.nodes[p];
+        for (size_t k = 0; k < pi.use_buf.size(); ++k) {
+          const Use& u = pi.node->uses[k];
+          if (u.full_overwrite() || pi.rr.ins[k].mode != Mode::kRows || !local(pi.use_buf[k])) continue;
+          if (!ensure(pi.use_buf[k], u.ref.version, target)) return false;
+        }
+        add(p, true);
+        return true;
+      };
       for (int32_t i : by_stage[s]) {
-        // Uploads this loop reads but that ran in another stage: read their rows from the host again.
         const NodeInfo& ni = a_.nodes[i];
+        if (is_upload(i) && st.nodes.size() > 0) {
+          bool done = true; // uploaded already for a recomputation
+          for (size_t k = 0; k < ni.use_buf.size(); ++k) {
+            auto h = ls.held.find(ni.use_buf[k]);
+            done = done && ni.node->uses[k].write && h != ls.held.end() && h->second == ni.node->uses[k].write_version;
+          }
+          for (size_t j = 0; j < ni.def_buf.size(); ++j) {
+            auto h = ls.held.find(ni.def_buf[j]);
+            done = done && h != ls.held.end() && h->second == ni.node->defs[j].ref.version;
+          }
+          if (done) continue;
+        }
         for (size_t k = 0; k < ni.use_buf.size(); ++k) {
           const int32_t b = ni.use_buf[k];
-          if (ni.rr.ins[k].mode != Mode::kRows || full_[b] || !a_.bufs[b].place.is_s()) continue;
-          int32_t p = producer(b, ni.node->uses[k].ref.version);
-          if (p >= 0 && is_upload(p) && a_.nodes[p].stage != static_cast<int32_t>(s) && !ls.uploaded.count(p)) {
-            ls.uploaded.insert(p);
-            add(p);
+          const Use& u = ni.node->uses[k];
+          if (ni.rr.ins[k].mode != Mode::kRows || !local(b) || u.full_overwrite()) continue;
+          const int32_t p = producer(b, u.ref.version);
+          if (p < 0 || a_.nodes[p].stage == static_cast<int32_t>(s)) continue;
+          auto h = ls.held.find(b);
+          if (h != ls.held.end() && h->second == u.ref.version) continue;
+          if (!ensure(b, u.ref.version, b)) break;
+          if (!is_upload(p) && std::find(st.recomputed.begin(), st.recomputed.end(), a_.bufs[b].buf) == st.recomputed.end()) {
+            st.recomputed.push_back(a_.bufs[b].buf);
           }
         }
-        if (is_upload(i)) ls.uploaded.insert(i);
-        add(i);
+        add(i, false);
       }
       // Partials: accumulate after their last partial write; free every slot after its last access.
       for (size_t q = 0; q < st.slots.size(); ++q) {
@@ -553,6 +751,14 @@ class SplitBuilder {
   std::unordered_map<uint64_t, int32_t> producer_;
   std::vector<uint32_t> final_, exec_final_;
   std::vector<char> exec_, retain_, kept_, pinned_, full_, host_;
+  // Buffers whose full storage is needed for other reasons than crossing stages (other_), that
+  // cross stages (cross_), recomputed where they are read instead (recompute_), that cannot be
+  // (refused_); each buffer's writes as (stage, version); recomputations an emission found
+  // impossible.
+  std::vector<char> other_, cross_, recompute_, refused_;
+  std::vector<std::vector<std::pair<int32_t, uint32_t>>> writes_;
+  std::vector<int32_t> blamed_;
+  bool copying_ = false; // planned_loop_node binds a node run again (recompute)
   std::vector<uint64_t> pins_;
   std::unordered_set<const Node*> unnarrowable_;
 

@@ -1,6 +1,8 @@
 // plan: the learned workspace table.
 #include "plan/workspace.h"
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 namespace lazymem {
@@ -60,42 +62,57 @@ bool Workspace::observe(uint64_t key, const c10::FunctionSchema* op, int64_t row
   std::lock_guard<std::mutex> lock(mu_);
   ops_.insert(op);
   Seen& s = seen_[key];
-  bool raised = true;
-  bool found = false;
-  for (int i = 0; i < 2 && !found; ++i) {
-    if (s.rows[i] == rows) {
-      found = true;
-      raised = bytes > s.bytes[i];
-      s.bytes[i] = std::max(s.bytes[i], bytes);
+  for (int i = 0; i < s.n; ++i) {
+    if (s.rows[i] != rows) continue;
+    if (bytes <= s.bytes[i]) return false;
+    s.bytes[i] = bytes;
+    generation_.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+  if (s.n >= 2) {
+    const Affine a = line(s);
+    if (bytes <= a.alpha + a.beta * rows) return false; // covered already
+  }
+  int at = s.n;
+  if (s.n == kPoints) {
+    // Full: the new point replaces the one nearest to it in rows (the least information lost).
+    at = 0;
+    for (int i = 1; i < s.n; ++i) {
+      if (std::abs(s.rows[i] - rows) < std::abs(s.rows[at] - rows)) at = i;
     }
+  } else {
+    ++s.n;
   }
-  if (!found) {
-    // Keep the two most recent distinct row counts.
-    s.rows[1] = s.rows[0];
-    s.bytes[1] = s.bytes[0];
-    s.rows[0] = rows;
-    s.bytes[0] = bytes;
+  s.rows[at] = rows;
+  s.bytes[at] = bytes;
+  generation_.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+Workspace::Affine Workspace::line(const Seen& s) {
+  auto ceil_div = [](int64_t a, int64_t b) { return a <= 0 ? int64_t{0} : (a + b - 1) / b; };
+  if (s.n == 0) return {};
+  if (s.n == 1) {
+    // One observation: whole (rows 0) is a constant; a chunk's scales with its rows.
+    if (s.rows[0] == 0) return {s.bytes[0], 0};
+    return {0, ceil_div(s.bytes[0], s.rows[0])};
   }
-  if (raised) generation_.fetch_add(1, std::memory_order_relaxed);
-  return raised;
+  // The slope between the fewest and the most rows seen (never decreasing), shifted up to cover all.
+  int lo = 0, hi = 0;
+  for (int i = 1; i < s.n; ++i) {
+    if (s.rows[i] < s.rows[lo]) lo = i;
+    if (s.rows[i] > s.rows[hi]) hi = i;
+  }
+  const int64_t beta = ceil_div(s.bytes[hi] - s.bytes[lo], s.rows[hi] - s.rows[lo]);
+  int64_t alpha = 0;
+  for (int i = 0; i < s.n; ++i) alpha = std::max(alpha, s.bytes[i] - beta * s.rows[i]);
+  return {alpha, beta};
 }
 
 Workspace::Affine Workspace::predict(uint64_t key) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = seen_.find(key);
-  if (it == seen_.end()) return {};
-  const Seen& s = it->second;
-  auto ceil_div = [](int64_t a, int64_t b) { return a <= 0 ? int64_t{0} : (a + b - 1) / b; };
-  if (s.rows[1] < 0) {
-    // One observation: whole (rows 0) is a constant; a chunk's scales with its rows.
-    if (s.rows[0] == 0) return {s.bytes[0], 0};
-    return {0, ceil_div(s.bytes[0], s.rows[0])};
-  }
-  // Two: the line through them (never decreasing in the rows), shifted up to cover both.
-  int lo = s.rows[0] < s.rows[1] ? 0 : 1, hi = 1 - lo;
-  int64_t beta = ceil_div(s.bytes[hi] - s.bytes[lo], s.rows[hi] - s.rows[lo]);
-  int64_t alpha = std::max<int64_t>(0, std::max(s.bytes[0] - beta * s.rows[0], s.bytes[1] - beta * s.rows[1]));
-  return {alpha, beta};
+  return it == seen_.end() ? Affine{} : line(it->second);
 }
 
 void Workspace::clear() {

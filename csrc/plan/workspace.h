@@ -3,7 +3,8 @@
 // measures it on every run that has any, and the memory model adds it to the node's live bytes the
 // next time the same op runs on the same shapes. Keys name the op, every operand's geometry with the
 // batch dim marked, and the scalar arguments; per key, the observations at different chunk sizes
-// give workspace = alpha + beta * rows (one observation at rows > 0 scales with the rows).
+// give workspace = alpha + beta * rows (one observation at rows > 0 scales with the rows), a line
+// above every observation.
 #pragma once
 
 #include <atomic>
@@ -24,6 +25,8 @@ class Workspace {
   bool known_op(const c10::FunctionSchema* op) const;
   // Records `bytes` of workspace at `rows`; true if that raised what is known there.
   bool observe(uint64_t key, const c10::FunctionSchema* op, int64_t rows, int64_t bytes);
+  // Distinct chunk sizes remembered per key.
+  static constexpr int kPoints = 8;
   struct Affine {
     int64_t alpha = 0;
     int64_t beta = 0;
@@ -38,10 +41,16 @@ class Workspace {
   }
 
  private:
+  // Distinct row counts observed (the most a chunk size of each was seen to need). The first two are
+  // kept whatever they are (the line's first estimate); after that only an observation above the
+  // prediction is kept, so a key run at many chunk sizes (the same layer in passes of different
+  // chunk sizes, a recomputed node) stops changing the model once the model covers them all.
   struct Seen {
-    int64_t rows[2] = {-1, -1};
-    int64_t bytes[2] = {0, 0};
+    int n = 0;
+    int64_t rows[kPoints] = {};
+    int64_t bytes[kPoints] = {};
   };
+  static Affine line(const Seen& s);
   mutable std::mutex mu_;
   std::unordered_map<uint64_t, Seen> seen_;
   std::unordered_set<const c10::FunctionSchema*> ops_;

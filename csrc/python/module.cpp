@@ -212,6 +212,10 @@ PYBIND11_MODULE(_C, m) {
     if (!on) clear_plan_cache();
   });
   m.def("_plan_cache", [] { return config().plan_cache.load(); });
+  m.def("_set_recompute", [](bool on) { config().recompute = on; });
+  m.def("_recompute", [] { return config().recompute.load(); });
+  m.def("_set_force_recompute", [](bool on) { config().force_recompute = on; });
+  m.def("_force_recompute", [] { return config().force_recompute.load(); });
   m.def("_plan_cache_size", [] { return plan_cache_size(); });
   m.def("_force_chunks", [] { return config().force_chunks.load(); });
   m.def("_worker_allocations", worker_allocations);

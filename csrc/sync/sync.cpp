@@ -2,12 +2,12 @@
 #include "sync/sync.h"
 
 #include <algorithm>
-#include <unordered_set>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
-#include <atomic>
 #include <mutex>
 #include <string>
+#include <unordered_set>
 
 #include "core/check.h"
 #include "core/config.h"
@@ -56,11 +56,15 @@ void record_stats(const Plan& plan, const ExecOutcome& out) {
   auto& st = stats();
   if (plan.split) {
     int64_t loops = 0, chunks = 0;
+    std::unordered_set<const LazyBuffer*> recomputed;
     for (const Stage& s : plan.stages) {
       if (!s.loop || s.nodes.empty()) continue;
       ++loops;
       chunks = std::max<int64_t>(chunks, s.chunks());
+      recomputed.insert(s.recomputed.begin(), s.recomputed.end());
+      for (const FullStore& f : s.stores) st.values_in_host_memory.fetch_add(f.host, std::memory_order_relaxed);
     }
+    st.values_recomputed.fetch_add(recomputed.size(), std::memory_order_relaxed);
     if (loops) { // a plan whose batch-sharded work all stays pending ran no loop
       st.splits.fetch_add(1, std::memory_order_relaxed);
       st.passes.store(loops, std::memory_order_relaxed);
@@ -178,6 +182,9 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   in.resident = device_bytes_held();
   in.budget = memory_budget();
   in.force_chunks = config().force_chunks.load(std::memory_order_relaxed);
+  in.recompute = !config().recompute.load(std::memory_order_relaxed)      ? PlanInput::Recompute::kNever
+                 : config().force_recompute.load(std::memory_order_relaxed) ? PlanInput::Recompute::kAlways
+                                                                            : PlanInput::Recompute::kWhenTooBig;
   const auto t0 = std::chrono::steady_clock::now();
   Plan plan = make_plan(in);
   const auto planned = std::chrono::steady_clock::now();

@@ -85,6 +85,19 @@ def force_chunks(n: int) -> Iterator[None]:
         _C._set_force_chunks(previous)
 
 
+@contextlib.contextmanager
+def force_recompute() -> Iterator[None]:
+    """Recomputes every batch-sharded value that crosses passes of a split, chunk by chunk where it is
+    read, whenever the nodes computing it can run again, instead of storing it (normally only values
+    that do not fit the device are recomputed; for tests)."""
+    previous = bool(_C._force_recompute())
+    _C._set_force_recompute(True)
+    try:
+        yield
+    finally:
+        _C._set_force_recompute(previous)
+
+
 def fail_allocation(n: int) -> None:
     """Makes the ``n``-th device allocation of the next materialization fail with
     ``torch.OutOfMemoryError``, as if the device were full at that moment (fault injection for the

@@ -1,0 +1,58 @@
+// plan/workspace: the learned workspace line (no device).
+#include <gtest/gtest.h>
+
+#include "plan/workspace.h"
+
+namespace lazymem::testing {
+namespace {
+
+// Keys apart from anything a real run learns (the table is process-wide).
+constexpr uint64_t kKey = 0x5eed0000ull;
+const c10::FunctionSchema* const kOp = reinterpret_cast<const c10::FunctionSchema*>(uintptr_t{0x10});
+
+int64_t predict(uint64_t key, int64_t rows) {
+  Workspace::Affine a = Workspace::get().predict(key);
+  return a.alpha + a.beta * rows;
+}
+
+TEST(Workspace, TheLineCoversEveryObservation) {
+  Workspace& w = Workspace::get();
+  const uint64_t key = kKey + 1;
+  EXPECT_TRUE(w.observe(key, kOp, 10, 1000));
+  EXPECT_EQ(predict(key, 10), 1000);
+  EXPECT_EQ(predict(key, 20), 2000); // one observation: proportional to the rows
+  EXPECT_TRUE(w.observe(key, kOp, 40, 2500));
+  EXPECT_TRUE(w.observe(key, kOp, 25, 2400)); // above the line through the first two
+  for (auto [rows, bytes] : {std::pair<int64_t, int64_t>{10, 1000}, {40, 2500}, {25, 2400}}) {
+    EXPECT_GE(predict(key, rows), bytes) << rows;
+  }
+  EXPECT_FALSE(w.observe(key, kOp, 30, 100)); // below: nothing learned, nothing changes
+}
+
+TEST(Workspace, ManyChunkSizesSettle) {
+  // The same key run at several chunk sizes in turn (one layer in passes of different chunk sizes,
+  // a recomputed node): once every size has been seen the model stops changing, so plans made from
+  // it can be reused.
+  Workspace& w = Workspace::get();
+  const uint64_t key = kKey + 2;
+  const int64_t rows[] = {104, 72, 32, 11, 10, 208};
+  auto bytes = [](int64_t r) { return 4096 + 1000 * r + (r % 7) * 300; }; // affine-ish, with noise
+  for (int round = 0; round < 3; ++round) {
+    const uint64_t before = w.generation();
+    for (int64_t r : rows) w.observe(key, kOp, r, bytes(r));
+    if (round > 0) {
+      EXPECT_EQ(w.generation(), before) << "round " << round;
+    }
+  }
+  for (int64_t r : rows) EXPECT_GE(predict(key, r), bytes(r)) << r;
+}
+
+TEST(Workspace, AFullTableKeepsCoveringWhatItKept) {
+  Workspace& w = Workspace::get();
+  const uint64_t key = kKey + 3;
+  for (int64_t r = 1; r <= 3 * Workspace::kPoints; ++r) w.observe(key, kOp, r, r * r); // convex: always above
+  EXPECT_GE(predict(key, 3 * Workspace::kPoints), 9 * Workspace::kPoints * Workspace::kPoints);
+}
+
+} // namespace
+} // namespace lazymem::testing

@@ -1,0 +1,218 @@
+"""Values that cross passes of a split (batch_split_theory.md §5, §6): a batch-sharded value computed in
+one pass over the batch and read by a later one (a convolution's output that batch norm reads after
+its statistics pass, an activation the backward reads) is stored whole when that fits the device; when
+it does not, it is recomputed chunk by chunk in each pass that reads it — the nodes computing it run
+again for the chunk's rows — when they can run again (no random draws, no effect, nothing written but
+chunk-local values, inputs unchanged by then), else it is held in host memory. explain() says which.
+
+Exactness: with torch_lazymem.testing.force_recompute() every value that can be is recomputed, and
+training is compared with eager in float64 at assert_close defaults, force_chunks 2/3/8 over a batch
+of 10 (ragged). Memory: a batch-norm CNN under a simulated device that cannot hold its activations,
+recompute against host memory (set_recompute(False)), peak ≤ capacity; fault injection."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from splitting import B, assert_state_close, batch_of, ce, train_split
+from test_split_cross_batch import CASES as CROSS_BATCH
+from test_split_models import BatchNormResNet
+
+import torch_lazymem
+from torch_lazymem.testing import (
+    fail_allocation,
+    force_chunks,
+    force_recompute,
+    injected_failures,
+    memory_cap,
+    parse_bytes,
+    simulated_device,
+)
+
+
+def inplace_relu_cnn(width: int = 8):
+    """torchvision's ResNet habit: ReLU(inplace=True) overwrites batch norm's output."""
+    return nn.Sequential(
+        nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+        nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10))
+
+
+MODELS = {
+    "resnet_batchnorm": (BatchNormResNet, batch_of(3, 8, 8, classes=10)),
+    "inplace_relu_cnn": (inplace_relu_cnn, batch_of(3, 8, 8, classes=10)),
+    "bn1d_mlp": (lambda: nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(),
+                                       nn.Linear(8, 8), nn.BatchNorm1d(8, momentum=None), nn.Linear(8, 5)),
+                 batch_of(6, classes=5)),
+}
+
+
+@pytest.mark.parametrize("chunks", [2, 3, 8])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_training_with_every_crossing_value_recomputed_equals_eager(name, chunks):
+    make, data = MODELS[name]
+    stats = train_split(make, data, ce, chunks, context=force_recompute)
+    assert stats["values_recomputed"] > 0 and stats["values_in_host_memory"] == 0
+    assert stats["splits"] >= 5 and stats["passes"] >= 3 and stats["barriers"] == 0
+
+
+def on_features(fn):
+    """`fn` applied to computed features (tanh of the input): what crosses passes is a computed value."""
+    return lambda x: fn(torch.tanh(x) * 1.5 + x.square())
+
+
+@pytest.mark.parametrize("chunks", [2, 3, 8])
+@pytest.mark.parametrize("name", [n for n, (_, passes) in CROSS_BATCH.items() if passes >= 2])
+def test_cross_batch_ops_recompute_their_input_exactly(name, chunks):
+    fn = on_features(CROSS_BATCH[name][0])
+    x = torch.randn(B, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(chunks))
+    cpu = x.clone().requires_grad_()
+    out = fn(cpu)
+    (grad,) = torch.autograd.grad(out.sum(), cpu)
+    lazy = x.to("lazymem").requires_grad_()
+    torch_lazymem.reset_stats()
+    with force_chunks(chunks), force_recompute():
+        lout = fn(lazy)
+        (lgrad,) = torch.autograd.grad(lout.sum(), lazy)
+        torch.testing.assert_close(lout.cpu(), out.detach())
+        torch.testing.assert_close(lgrad.cpu(), grad)
+    assert torch_lazymem.stats()["values_recomputed"] > 0
+
+
+def test_explain_names_the_recomputed_values_and_the_nodes_run_again():
+    torch.manual_seed(0)
+    model = inplace_relu_cnn().double().to("lazymem")
+    x, t = batch_of(3, 8, 8, classes=10)(0)
+    with force_chunks(3), force_recompute():
+        ce(model, (x.to("lazymem"), t.to("lazymem"))).backward()
+        torch.lazymem.synchronize()
+    text = torch_lazymem.explain(print_it=False)
+    assert "recomputed chunk by chunk from an earlier pass" in text, text
+    assert "are recomputed chunk by chunk in the passes that read them" in text, text
+    assert "assembled whole in host memory" not in text, text
+
+
+def test_a_random_op_is_never_recomputed():
+    """Dropout before a batch norm: the linear layer's output crosses the statistics pass, but computing
+    it again would draw new numbers from the generator's stream: it is stored, the result is the one
+    the stored plan gives."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Dropout(0.3), nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 5)).double()
+    x = torch.randn(B, 6, dtype=torch.float64)
+    runs = []
+    for forced in (False, True):
+        lazy = copy.deepcopy(model).to("lazymem")
+        torch.manual_seed(1)
+        torch_lazymem.reset_stats()
+        with force_chunks(3):
+            ctx = force_recompute() if forced else memory_cap("1TiB")  # (a no-op context)
+            with ctx:
+                y = lazy(x.to("lazymem")).cpu()
+        runs.append((y, torch_lazymem.stats()))
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=0, atol=0)
+    assert runs[1][1]["values_recomputed"] == 0
+
+
+class WideBNNet(nn.Module):
+    """Batch norm CNN whose activations (2 MiB each at a batch of 64) cannot all be stored in 3 MiB."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = inplace_relu_cnn(16)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_activations_that_do_not_fit_are_recomputed_or_held_in_host_memory(recompute):
+    torch.manual_seed(0)
+    model = WideBNNet().double()
+    x, t = torch.randn(64, 3, 16, 16, dtype=torch.float64), torch.randint(0, 10, (64,))
+    cap = "3MiB"
+    with memory_cap(cap), pytest.raises(torch.OutOfMemoryError):
+        ce(copy.deepcopy(model), (x, t)).backward()
+    ref = copy.deepcopy(model)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ce(ref, (x, t)).backward()
+    opt_r.step()
+    previous = torch_lazymem.recompute()
+    torch_lazymem.set_recompute(recompute)
+    try:
+        with simulated_device(cap):
+            lazy = copy.deepcopy(model).to("lazymem")
+            opt = torch.optim.SGD(lazy.parameters(), lr=0.1)
+            torch_lazymem.reset_stats()
+            loss = ce(lazy, (x.to("lazymem"), t.to("lazymem")))
+            loss.backward()
+            opt.step()
+            loss.item()
+            s = torch_lazymem.stats()
+            text = torch_lazymem.explain(print_it=False)
+            assert s["peak_bytes"] <= parse_bytes(cap)
+            assert_state_close(ref, lazy)
+    finally:
+        torch_lazymem.set_recompute(previous)
+    if recompute:
+        assert s["values_recomputed"] >= 2 and s["values_in_host_memory"] == 0, text
+        assert "recomputed chunk by chunk" in text
+    else:
+        assert s["values_recomputed"] == 0 and s["values_in_host_memory"] > 0, text
+
+
+def test_out_of_memory_in_a_recomputing_pass_is_retried():
+    """Fails each of the first allocations of a split step whose crossing values are all recomputed:
+    the same losses and state as without a failure (float64 tolerance: a retried chunk runs smaller)."""
+    torch.manual_seed(0)
+    model = inplace_relu_cnn(4).double()
+    data = batch_of(3, 6, 6, classes=10)(0)
+
+    def step(n):
+        lazy = copy.deepcopy(model).to("lazymem")
+        opt = torch.optim.AdamW(lazy.parameters(), lr=1e-2)
+        torch.lazymem.synchronize()
+        before = injected_failures()
+        with force_chunks(3), force_recompute():
+            if n:
+                fail_allocation(n)
+            loss = ce(lazy, (data[0].to("lazymem"), data[1].to("lazymem")))
+            loss.backward()
+            opt.step()
+            value = loss.item()
+            state = {k: v.cpu() for k, v in lazy.state_dict().items()}
+        return value, state, injected_failures() > before
+
+    ref_loss, ref_state, _ = step(0)
+    fired = 0
+    for n in range(1, 121, 3):
+        loss, state, hit = step(n)
+        if not hit:
+            break
+        fired += 1
+        torch.testing.assert_close(loss, ref_loss)
+        for k, v in state.items():
+            torch.testing.assert_close(v, ref_state[k], msg=lambda m, n=n, k=k: f"{k} after failing allocation {n}: {m}")
+    assert fired >= 20
+
+
+def test_set_recompute_rejects_non_bools():
+    with pytest.raises(TypeError, match="lazymem: set_recompute"):
+        torch_lazymem.set_recompute("yes")  # type: ignore[arg-type]
+
+
+def test_dropout_free_transformer_block_unchanged_by_force_recompute():
+    """A program with one pass has nothing crossing passes: forcing recomputation changes nothing."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True).double()
+    x = torch.randn(B, 5, 16, dtype=torch.float64)
+    lazy = copy.deepcopy(layer).to("lazymem")
+    torch_lazymem.reset_stats()
+    with force_chunks(3), force_recompute():
+        y = lazy(x.to("lazymem")).cpu()
+    torch.testing.assert_close(y, layer(x))
+    assert torch_lazymem.stats()["values_recomputed"] == 0
+    _ = F  # (F used by the shared helpers' models)
