@@ -76,6 +76,11 @@ struct Node {
 
   uint64_t seq = 0;             // program order; assigned at append (increasing, with holes once
                                 // nodes kept pending by a materialization are put back)
+  // The cached meta result the node was recorded from (MetaResult::id), standing for everything
+  // about it but its buffers, their versions, grad mode and row-keyed state: two nodes with the
+  // same sig have the same op, arguments (floats where they matter), operand and result geometry,
+  // uses and defs (plan/reuse.cpp fingerprints them by it). 0: none, or changed since recording.
+  uint64_t sig = 0;
   c10::OperatorHandle op;       // the op replayed on the backing device
   std::vector<c10::IValue> args;// boxed arguments; lazymem tensor slots hold None until replay
   std::vector<Use> uses;

@@ -151,6 +151,26 @@ Fingerprint fingerprint(const PlanInput& in) {
     return static_cast<uint64_t>(static_cast<int64_t>(version) - static_cast<int64_t>(fp.base[c]));
   };
   for (const Node* n : in.nodes) {
+    if (n->sig != 0) {
+      // Recorded from a cached meta result: its id stands for the op, arguments and geometry (a 0
+      // word first, never a schema pointer); what changes between steps follows.
+      w.put(0);
+      w.put(n->sig);
+      w.put(uint64_t{n->grad_mode} | (uint64_t{n->row_keyed != nullptr} << 1));
+      if (n->row_keyed) w.put(n->row_keyed->block);
+      for (const Def& d : n->defs) {
+        const int64_t c = canon(d.ref.buf.get(), d.ref.version);
+        w.put_i(c);
+        w.put(rel(c, d.ref.version));
+      }
+      for (const Use& u : n->uses) {
+        const int64_t c = canon(u.ref.buf.get(), u.ref.version);
+        w.put_i(c);
+        w.put(rel(c, u.ref.version));
+        if (u.write) w.put(rel(c, u.write_version));
+      }
+      continue;
+    }
     w.put(reinterpret_cast<uintptr_t>(&n->op.schema()));
     w.put(uint64_t{n->upload} | (uint64_t{n->random} << 1) | (uint64_t{n->effectful} << 2) |
           (uint64_t{n->grad_mode} << 3) | (uint64_t{n->row_keyed != nullptr} << 4) |

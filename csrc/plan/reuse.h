@@ -27,7 +27,8 @@ struct Fingerprint {
   bool cacheable = false;             // false: an argument the fingerprint cannot describe, a poison
 };
 
-// The fingerprint of a planner input (≈ 0.1 µs per node).
+// The fingerprint of a planner input: per node the id of the meta result it was recorded from
+// (Node::sig) with its buffers and versions, or every word of it when it has none.
 Fingerprint fingerprint(const PlanInput& in);
 
 // The cached plan for a program with this fingerprint, instantiated on `in`'s nodes and buffers.

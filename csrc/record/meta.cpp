@@ -184,6 +184,8 @@ std::shared_ptr<const MetaResult> run_meta(Call& call) {
   if (!dispatch_meta(call, stack)) return nullptr;
   if (layout) apply_backing_layout(call.op, args, stack);
   auto result = std::make_shared<MetaResult>();
+  static std::atomic<uint64_t> ids{0};
+  result->id = ids.fetch_add(1, std::memory_order_relaxed) + 1;
   const auto& returns = schema.returns();
   LAZYMEM_INTERNAL_ASSERT(stack.size() == returns.size(), "meta run of ", schema.name(), " returned ",
                           stack.size(), " values for ", returns.size(), " returns");

@@ -42,6 +42,9 @@ struct Mutation {
 struct MetaResult {
   std::vector<RetSpec> rets;
   std::vector<Mutation> mutations;
+  // Unique per result ever made (never reused): nodes recorded from a cached result share it, and
+  // equal ids mean equal call keys — the op, its arguments and operand geometry (Node::sig).
+  uint64_t id = 0;
 };
 
 // Returns the (possibly cached) meta result, or nullptr when the op has no usable meta kernel

@@ -161,6 +161,7 @@ class Emitter {
       }
     }
     n.device_args.assign(rules.device_args.begin(), rules.device_args.end());
+    if (call_.cacheable) n.sig = meta_.id;
     n.grad_mode = c10::GradMode::is_enabled();
     n.effectful = rules.effect_only;
     LazyGenerator* gen = nullptr;

@@ -113,6 +113,7 @@ size_t put_back(Segment& seg, Plan& plan, const ExecOutcome& out) {
       back.push_back(e.index);
       if (e.effect && !undone.count(e.effect)) {
         Node& n = *seg.nodes[e.index];
+        n.sig = 0; // no longer what was recorded
         n.args[e.neutral_arg] = c10::IValue(e.neutral);
         for (Use& u : n.uses) {
           if (!u.write) continue;
