@@ -56,6 +56,7 @@ class SplitBuilder {
       emit();
       if (!blamed_.empty()) {
         for (int32_t b : blamed_) {
+          if (refused_[b]) continue; // blamed by another reader too
           if (!recompute_[b]) {
             a_.notes.push_back("recomputing b" + std::to_string(a_.bufs[b].buf->id) + " chunk by chunk would read a "
                                "value another node of the same pass has overwritten");
@@ -293,8 +294,10 @@ class SplitBuilder {
       }
       if (is_upload(i)) continue;
       for (size_t k = 0; k < n.uses.size(); ++k) {
+        // Rows of an upload read again in each loop are not a crossing value; written in place they are.
         const int32_t p = n.uses[k].full_overwrite() ? -1 : producer(ni.use_buf[k], n.uses[k].ref.version);
-        touch(ni.use_buf[k], ni.stage, !ni.loop || ni.rr.ins[k].mode == Mode::kWhole, p >= 0 && is_upload(p));
+        touch(ni.use_buf[k], ni.stage, !ni.loop || ni.rr.ins[k].mode == Mode::kWhole,
+              p >= 0 && is_upload(p) && !n.uses[k].write);
       }
       for (size_t j = 0; j < n.defs.size(); ++j) {
         if (!ni.discard[j]) touch(ni.def_buf[j], ni.stage, !ni.loop, false);
@@ -465,6 +468,10 @@ class SplitBuilder {
     }
     if (def && copying_ && (mode != Mode::kRows || !local(b))) {
       bd.bind = Bind::kDiscard; // run again for its chunk-local results only
+      if (mode == Mode::kRows) {
+        bd.dim = dim; // (rows of it, for the memory model and the workspace key)
+        bd.unit = unit;
+      }
       return bd;
     }
     if (mode == Mode::kWhole) return bd;
@@ -613,7 +620,8 @@ class SplitBuilder {
         auto h = ls.held.find(b);
         if (h != ls.held.end() && h->second == version) return true;
         const int32_t p = producer(b, version);
-        if ((h != ls.held.end() && h->second > version) || p < 0) {
+        // Only uploads and the cones of values recomputed (checked by walk()) run again.
+        if ((h != ls.held.end() && h->second > version) || p < 0 || (!is_upload(p) && !recompute_[target])) {
           blamed_.push_back(target);
           return false;
         }

@@ -97,9 +97,9 @@ def test_explain_names_the_recomputed_values_and_the_nodes_run_again():
 
 
 def test_a_random_op_is_never_recomputed():
-    """Dropout before a batch norm: the linear layer's output crosses the statistics pass, but computing
-    it again would draw new numbers from the generator's stream: it is stored, the result is the one
-    the stored plan gives."""
+    """Dropout before a batch norm: the linear layer's output crosses the statistics pass and its cone
+    holds a random node. Row-keyed draws would repeat, but the planner does not run random nodes again
+    (a conservative rule): the value is stored, and forcing recomputation changes nothing."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Dropout(0.3), nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 5)).double()
     x = torch.randn(B, 6, dtype=torch.float64)
@@ -187,6 +187,7 @@ def test_out_of_memory_in_a_recomputing_pass_is_retried():
         return value, state, injected_failures() > before
 
     ref_loss, ref_state, _ = step(0)
+    assert torch_lazymem.stats()["values_recomputed"] > 0
     fired = 0
     for n in range(1, 121, 3):
         loss, state, hit = step(n)
@@ -197,6 +198,30 @@ def test_out_of_memory_in_a_recomputing_pass_is_retried():
         for k, v in state.items():
             torch.testing.assert_close(v, ref_state[k], msg=lambda m, n=n, k=k: f"{k} after failing allocation {n}: {m}")
     assert fired >= 20
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_an_upload_written_in_place_crosses_passes_as_a_value(recompute):
+    """x.add_(w) in one pass, w overwritten in between, x read in a later pass: x is a computed value
+    (stored, or recomputed only if that were safe — here it is not: w changed), never the upload read
+    again with the in-place op re-run on the new w."""
+    data = torch.randn(B, 6, dtype=torch.float64)
+    w0 = torch.linspace(0.5, 1.5, 6, dtype=torch.float64)
+    x, w = data.clone(), w0.clone()
+    x.add_(w)
+    w.mul_(2)
+    expected = (x * w).sum()
+    lw = w0.to("lazymem")
+    torch_lazymem.mark_batch(lw, None)
+    torch_lazymem.reset_stats()
+    with force_chunks(2), (force_recompute() if recompute else memory_cap("1TiB")):
+        lx = data.to("lazymem")
+        lx.add_(lw)
+        lw.mul_(2)
+        out = (lx * lw).sum()
+        del lx
+        torch.testing.assert_close(out.cpu(), expected)
+    assert torch_lazymem.stats()["passes"] >= 2
 
 
 def test_set_recompute_rejects_non_bools():
