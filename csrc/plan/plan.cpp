@@ -64,7 +64,9 @@ Plan plan_anew(const PlanInput& in) {
 
 Plan make_plan(const PlanInput& in) {
   if (!config().plan_cache.load(std::memory_order_relaxed)) return plan_anew(in);
-  Fingerprint fp = fingerprint(in);
+  // The fingerprint's room is kept per thread; it is moved into the cache only with a new plan.
+  thread_local Fingerprint fp;
+  fingerprint(in, fp);
   if (std::optional<Plan> reused = reuse_plan(in, fp)) {
     stats().plans_reused.fetch_add(1, std::memory_order_relaxed);
     return std::move(*reused);

@@ -34,13 +34,30 @@ struct KeyWriter {
   std::vector<uint64_t>& k;
   bool ok = true;
   size_t n = 0; // words written (k is kept larger)
+  size_t cap = 0;
+  uint64_t* p = nullptr;
 
+  // Writes from the start of `key`, which keeps its size (its room) unless it must grow.
   explicit KeyWriter(std::vector<uint64_t>& key, size_t expect) : k(key) {
-    k.resize(std::max<size_t>(expect, 64));
+    p = k.data();
+    cap = k.size();
+    reserve(std::max<size_t>(expect, 64));
+  }
+  __attribute__((noinline)) void grow(size_t need) {
+    k.resize(std::max(need, 2 * k.size()));
+    p = k.data();
+    cap = k.size();
+  }
+  // Room for `more` words written with raw().
+  void reserve(size_t more) {
+    if (__builtin_expect(n + more > cap, 0)) grow(n + more);
+  }
+  void raw(uint64_t v) {
+    p[n++] = v;
   }
   void put(uint64_t v) {
-    if (n == k.size()) k.resize(k.size() * 2);
-    k[n++] = v;
+    if (__builtin_expect(n == cap, 0)) grow(n + 1);
+    p[n++] = v;
   }
   void put_i(int64_t v) {
     put(static_cast<uint64_t>(v));
@@ -50,9 +67,7 @@ struct KeyWriter {
     std::memcpy(&bits, &d, sizeof(bits));
     put(bits);
   }
-  void finish() {
-    k.resize(n);
-  }
+
   void meta(const TensorMeta& m) {
     put(m.sizes.size() | (static_cast<uint64_t>(m.dtype) << 8) | (uint64_t{m.conj} << 16) | (uint64_t{m.neg} << 17));
     for (int64_t s : m.sizes) put_i(s);
@@ -132,12 +147,19 @@ std::atomic<uint64_t> g_stamps{uint64_t{1} << 60}; // apart from the memory mode
 
 } // namespace
 
-Fingerprint fingerprint(const PlanInput& in) {
-  Fingerprint fp;
+void fingerprint(const PlanInput& in, Fingerprint& fp) {
+  fp.words = 0;
+  fp.hash = 0;
+  fp.buffers.clear();
+  fp.base.clear();
+  fp.budget = -1;
+  fp.cacheable = false;
   thread_local size_t per_node = 24; // words per node last time
   KeyWriter w(fp.key, in.nodes.size() * (per_node + 4) + 64);
   const uint64_t stamp = g_stamps.fetch_add(1, std::memory_order_relaxed) + 1;
   // Canonical numbers live in the buffers' planner scratch for the duration (under the flush lock).
+  fp.buffers.reserve(in.nodes.size() + 16);
+  fp.base.reserve(in.nodes.size() + 16);
   auto canon = [&](LazyBuffer* b, uint32_t version) -> int64_t {
     if (b->plan_stamp != stamp) {
       b->plan_stamp = stamp;
@@ -150,24 +172,49 @@ Fingerprint fingerprint(const PlanInput& in) {
   auto rel = [&](int64_t c, uint32_t version) {
     return static_cast<uint64_t>(static_cast<int64_t>(version) - static_cast<int64_t>(fp.base[c]));
   };
-  for (const Node* n : in.nodes) {
+  // The program was recorded a while ago and the kernels since have evicted it from the caches:
+  // each node's object, then its references, then their buffers are fetched a few nodes ahead.
+  auto refs_ahead = [](const Node* n) {
+    for (const Use& u : n->uses) {
+      __builtin_prefetch(&u.ref.buf);
+      __builtin_prefetch(&u.write_version);
+    }
+    for (const Def& d : n->defs) {
+      __builtin_prefetch(&d.ref.buf);
+      __builtin_prefetch(&d.ref.version);
+    }
+  };
+  auto buffers_ahead = [](const Node* n) {
+    for (const Use& u : n->uses) __builtin_prefetch(&u.ref.buf->plan_stamp);
+    for (const Def& d : n->defs) __builtin_prefetch(&d.ref.buf->plan_stamp);
+  };
+  const size_t count = in.nodes.size();
+  for (size_t i = 0; i < count; ++i) {
+    const Node* n = in.nodes[i];
+    if (i + 8 < count) {
+      __builtin_prefetch(in.nodes[i + 8]);
+      __builtin_prefetch(reinterpret_cast<const char*>(in.nodes[i + 8]) + 64);
+    }
+    if (i + 4 < count) refs_ahead(in.nodes[i + 4]);
+    if (i + 2 < count) buffers_ahead(in.nodes[i + 2]);
     if (n->sig != 0) {
       // Recorded from a cached meta result: its id stands for the op, arguments and geometry (a 0
       // word first, never a schema pointer); what changes between steps follows.
-      w.put(0);
-      w.put(n->sig);
-      w.put(uint64_t{n->grad_mode} | (uint64_t{n->row_keyed != nullptr} << 1));
-      if (n->row_keyed) w.put(n->row_keyed->block);
+      w.reserve(4 + 2 * n->defs.size() + 3 * n->uses.size());
+      w.raw(0);
+      w.raw(n->sig);
+      w.raw(uint64_t{n->grad_mode} | (uint64_t{n->row_keyed != nullptr} << 1));
+      if (n->row_keyed) w.raw(n->row_keyed->block);
       for (const Def& d : n->defs) {
         const int64_t c = canon(d.ref.buf.get(), d.ref.version);
-        w.put_i(c);
-        w.put(rel(c, d.ref.version));
+        w.raw(static_cast<uint64_t>(c));
+        w.raw(rel(c, d.ref.version));
       }
       for (const Use& u : n->uses) {
         const int64_t c = canon(u.ref.buf.get(), u.ref.version);
-        w.put_i(c);
-        w.put(rel(c, u.ref.version));
-        if (u.write) w.put(rel(c, u.write_version));
+        w.raw(static_cast<uint64_t>(c));
+        w.raw(rel(c, u.ref.version));
+        if (u.write) w.raw(rel(c, u.write_version));
       }
       continue;
     }
@@ -213,12 +260,19 @@ Fingerprint fingerprint(const PlanInput& in) {
   }
   std::vector<char> needed(fp.buffers.size(), 0);
   for (LazyBuffer* b : in.needed) {
-    if (b->plan_stamp != stamp) return fp; // needed but not in the program: not cached
+    if (b->plan_stamp != stamp) return; // needed but not in the program: not cached
     needed[b->plan_bytes] = 1;
   }
   for (size_t c = 0; c < fp.buffers.size(); ++c) {
     const LazyBuffer* b = fp.buffers[c];
-    if (b->poison) return fp;
+    if (c + 4 < fp.buffers.size()) {
+      __builtin_prefetch(&fp.buffers[c + 4]->nbytes);
+      __builtin_prefetch(&fp.buffers[c + 4]->real);
+    }
+    if (c + 2 < fp.buffers.size() && fp.buffers[c + 2]->has_real()) {
+      __builtin_prefetch(fp.buffers[c + 2]->real.unsafeGetStorageImpl());
+    }
+    if (b->poison) return;
     w.put(b->nbytes.load(std::memory_order_relaxed));
     w.put(uint64_t{b->has_real()} | (uint64_t{b->real_on_host} << 1) | (static_cast<uint64_t>(b->batch_hint) << 2) |
           (uint64_t{in.live_out(*b)} << 4) | (uint64_t{needed[c] != 0} << 5));
@@ -245,15 +299,14 @@ Fingerprint fingerprint(const PlanInput& in) {
   w.put(uint64_t{in.keep_pending} | (uint64_t{config().debug.load(std::memory_order_relaxed) >= 3} << 1) |
         (static_cast<uint64_t>(in.recompute) << 2));
   w.put(Workspace::get().generation());
-  w.finish();
+  fp.words = w.n;
   fp.cacheable = w.ok;
-  per_node = in.nodes.empty() ? per_node : fp.key.size() / in.nodes.size() + 1;
+  per_node = in.nodes.empty() ? per_node : fp.words / in.nodes.size() + 1;
   // The hash only picks the candidate entry (keys are compared whole): a sample of the key.
-  uint64_t h = fp.key.size();
-  const size_t step = std::max<size_t>(1, fp.key.size() / 64);
-  for (size_t i = 0; i < fp.key.size(); i += step) h = mix(h, fp.key[i]);
+  uint64_t h = fp.words;
+  const size_t step = std::max<size_t>(1, fp.words / 64);
+  for (size_t i = 0; i < fp.words; i += step) h = mix(h, fp.key[i]);
   fp.hash = h;
-  return fp;
 }
 
 namespace {
@@ -282,6 +335,9 @@ struct Template {
   Plan plan;                       // encoded
   std::vector<uint64_t> codes;     // the encoded plan's pointer codes and versions in visit() order
   std::vector<NodeSketch> owned;   // parallel to the plan's owned nodes
+  // The owned nodes' references flat, in order (per node its uses, then its defs): buffer code and
+  // relative version (and relative write version for uses); what a spare's node is patched with.
+  std::vector<uint64_t> owned_refs;
   std::vector<size_t> fresh_bytes; // per fresh buffer
   std::optional<Plan> spare;       // an instantiation that has run, handed back: patched in place
 };
@@ -425,6 +481,11 @@ void remember_plan(const PlanInput& in, Fingerprint&& fp, Plan& plan) {
       bare.ref = TensorRef{};
       s.defs.emplace_back(std::move(bare), sketch_ref(d.ref));
     }
+    for (const auto& [bare, r] : s.uses) {
+      t.owned_refs.insert(t.owned_refs.end(), {r.buf, static_cast<uint64_t>(r.version),
+                                               static_cast<uint64_t>(static_cast<int64_t>(bare.write_version))});
+    }
+    for (const auto& [bare, r] : s.defs) t.owned_refs.insert(t.owned_refs.end(), {r.buf, static_cast<uint64_t>(r.version)});
     t.owned.push_back(std::move(s));
   }
   if (!ok) return;
@@ -447,6 +508,8 @@ void remember_plan(const PlanInput& in, Fingerprint&& fp, Plan& plan) {
       t.plan, [&](LazyBuffer*& b) { t.codes.push_back(code_of(b)); }, [&](Node*& n) { t.codes.push_back(code_of(n)); },
       [&](LazyBuffer*, uint32_t& v) { t.codes.push_back(v); });
   t.fp = std::move(fp);
+  t.fp.key.resize(t.fp.words); // (stored exactly)
+  t.fp.key.shrink_to_fit();
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mu);
   t.id = ++c.next_id;
@@ -468,17 +531,20 @@ std::optional<Plan> reuse_plan(const PlanInput& in, const Fingerprint& fp) {
     return t.plan.predicted_peak <= fp.budget && fp.budget <= t.fp.budget + t.fp.budget / 10;
   };
   for (; it != c.entries.end(); ++it) {
-    if (it->fp.hash == fp.hash && it->fp.key == fp.key && budget_ok(*it)) break;
+    if (it->fp.hash == fp.hash && it->fp.words == fp.words &&
+        std::memcmp(it->fp.key.data(), fp.key.data(), fp.words * sizeof(uint64_t)) == 0 && budget_ok(*it)) {
+      break;
+    }
   }
   if (it == c.entries.end()) {
     if (config().debug.load(std::memory_order_relaxed) >= 2 && !c.entries.empty()) {
       // Where this program first differs from the most recent stored one (LAZYMEM_DEBUG=2).
       const std::vector<uint64_t>& last = c.entries.front().fp.key;
       size_t i = 0;
-      while (i < last.size() && i < fp.key.size() && last[i] == fp.key[i]) ++i;
+      while (i < last.size() && i < fp.words && last[i] == fp.key[i]) ++i;
       std::fprintf(stderr, "[lazymem] plan not reused: fingerprint of %zu words differs from the last stored (%zu words) "
-                   "at word %zu%s\n", fp.key.size(), last.size(), i,
-                   i + 6 >= fp.key.size() ? " (the budget, memory held, or learned kernel workspace)" : "");
+                   "at word %zu%s\n", fp.words, last.size(), i,
+                   i + 6 >= fp.words ? " (the budget, memory held, or learned kernel workspace)" : "");
     }
     return std::nullopt;
   }
@@ -502,9 +568,11 @@ std::optional<Plan> reuse_plan(const PlanInput& in, const Fingerprint& fp) {
                      static_cast<uint32_t>(s.version + base_of(s.buf))};
   };
   Plan plan;
+  std::vector<NodePtr> spare_nodes; // the spare's synthesized nodes the program did not take
   if (it->spare) {
     plan = std::move(*it->spare);
     it->spare.reset();
+    spare_nodes = std::move(plan.owned);
     for (size_t s = 0; s < plan.stages.size(); ++s) plan.stages[s].chunk = t.plan.stages[s].chunk;
   } else {
     plan = copy_body(t.plan);
@@ -512,24 +580,48 @@ std::optional<Plan> reuse_plan(const PlanInput& in, const Fingerprint& fp) {
   plan.reused = true;
   plan.budget = in.budget;
   plan.owned.clear();
-  for (const NodeSketch& s : t.owned) {
-    auto n = std::make_unique<Node>(s.op);
+  plan.owned.reserve(t.owned.size());
+  const uint64_t* refs = t.owned_refs.data();
+  for (size_t k = 0; k < t.owned.size(); ++k) {
+    const NodeSketch& s = t.owned[k];
     const Node& serves = *in.nodes[s.serves];
+    NodePtr n = k < spare_nodes.size() ? std::move(spare_nodes[k]) : nullptr;
+    if (n) {
+      // Made from this sketch before (op, arguments and metas as stored): only the buffers and
+      // versions change.
+      auto version = [&](uint64_t code, uint64_t rel) {
+        return static_cast<uint32_t>(static_cast<int64_t>(rel) + base_of(code));
+      };
+      for (Use& u : n->uses) {
+        u.ref.buf = c10::intrusive_ptr<LazyBuffer>::reclaim_copy(buffer(refs[0]));
+        u.ref.version = version(refs[0], refs[1]);
+        u.write_version = version(refs[0], refs[2]);
+        refs += 3;
+      }
+      for (Def& d : n->defs) {
+        d.ref.buf = c10::intrusive_ptr<LazyBuffer>::reclaim_copy(buffer(refs[0]));
+        d.ref.version = version(refs[0], refs[1]);
+        refs += 2;
+      }
+    } else {
+      refs += 3 * s.uses.size() + 2 * s.defs.size();
+      n = std::make_unique<Node>(s.op);
+      n->args = s.args;
+      for (const auto& [bare, r] : s.uses) {
+        Use u = bare;
+        u.ref = ref(r);
+        u.write_version = static_cast<uint32_t>(static_cast<int64_t>(bare.write_version) + base_of(r.buf));
+        n->uses.push_back(std::move(u));
+      }
+      for (const auto& [bare, r] : s.defs) {
+        Def d = bare;
+        d.ref = ref(r);
+        n->defs.push_back(std::move(d));
+      }
+    }
     n->seq = serves.seq;
     n->site = serves.site;
     n->grad_mode = serves.grad_mode;
-    n->args = s.args;
-    for (const auto& [bare, r] : s.uses) {
-      Use u = bare;
-      u.ref = ref(r);
-      u.write_version = static_cast<uint32_t>(static_cast<int64_t>(bare.write_version) + base_of(r.buf));
-      n->uses.push_back(std::move(u));
-    }
-    for (const auto& [bare, r] : s.defs) {
-      Def d = bare;
-      d.ref = ref(r);
-      n->defs.push_back(std::move(d));
-    }
     plan.owned.push_back(std::move(n));
   }
   // Every pointer and version from the codes, in the order visit() met them when the plan was stored.
@@ -555,7 +647,13 @@ void recycle_plan(Plan&& plan) {
   std::lock_guard<std::mutex> lock(c.mu);
   for (Template& t : c.entries) {
     if (t.id != plan.template_id) continue;
-    plan.owned.clear();
+    // Synthesized nodes the program did not take (pending again) are kept for the next
+    // instantiation, without their buffers (which must not outlive their tensors).
+    for (NodePtr& n : plan.owned) {
+      if (!n) continue;
+      for (Use& u : n->uses) u.ref.buf.reset();
+      for (Def& d : n->defs) d.ref.buf.reset();
+    }
     t.spare = std::move(plan);
     return;
   }

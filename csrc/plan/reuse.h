@@ -19,7 +19,8 @@
 namespace lazymem {
 
 struct Fingerprint {
-  std::vector<uint64_t> key;          // everything the planner reads, in a canonical order
+  std::vector<uint64_t> key;          // everything the planner reads, in a canonical order: the
+  size_t words = 0;                   // first `words` (the rest is room kept for the next one)
   uint64_t hash = 0;
   std::vector<LazyBuffer*> buffers;   // canonical numbering: first appearance, defs before uses
   std::vector<uint32_t> base;         // per buffer: the version of its first reference
@@ -28,8 +29,9 @@ struct Fingerprint {
 };
 
 // The fingerprint of a planner input: per node the id of the meta result it was recorded from
-// (Node::sig) with its buffers and versions, or every word of it when it has none.
-Fingerprint fingerprint(const PlanInput& in);
+// (Node::sig) with its buffers and versions, or every word of it when it has none. Written into
+// `fp`, whose vectors keep their room from one call to the next (no allocation per step).
+void fingerprint(const PlanInput& in, Fingerprint& fp);
 
 // The cached plan for a program with this fingerprint, instantiated on `in`'s nodes and buffers.
 std::optional<Plan> reuse_plan(const PlanInput& in, const Fingerprint& fp);
@@ -38,8 +40,9 @@ void remember_plan(const PlanInput& in, Fingerprint&& fp, Plan& plan);
 // A loop of the plan behind `template_id` ran out of memory and finished with smaller chunks: the
 // next instantiation uses `chunk` rows for `stage`.
 void plan_learned_chunk(uint64_t template_id, size_t stage, int64_t chunk);
-// Hands back a plan that has run (and whose synthesized nodes were taken or may be dropped): the
-// next instantiation of its entry patches it in place instead of copying the stored one.
+// Hands back a plan that has run (its synthesized nodes that the program did not take are no longer
+// referenced): the next instantiation of its entry patches it and them in place instead of copying
+// the stored plan and rebuilding the nodes.
 void recycle_plan(Plan&& plan);
 // Drops every cached plan (the backing device or the capacity changed; tests).
 void clear_plan_cache();

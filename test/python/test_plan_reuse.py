@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import os
 import subprocess
 import sys
@@ -62,6 +63,22 @@ def test_later_steps_reuse_the_plan_and_run_the_same_kernels():
     # steps it takes to settle depends on where the machine's kernels allocate
     assert sum(s["plans_reused"] for s in stats[-4:]) >= 2, [s["plans_reused"] for s in stats]
     assert all(s["plans_reused"] == 0 for s in stats0)
+
+
+def test_reused_plans_hold_no_buffer_once_the_step_is_over():
+    # A plan handed back after it ran keeps its synthesized nodes (batch norm's passes) for the next
+    # step, without their buffers: once the model and its data are gone, every buffer is freed.
+    torch.manual_seed(0)
+    gc.collect()
+    base = torch.lazymem.memory_allocated()
+    buffers = torch_lazymem._C._buffers_alive()
+    _, params, bufs, stats = train(bn_mlp(), 6)
+    assert sum(s["plans_reused"] for s in stats) >= 2
+    del params, bufs, stats
+    gc.collect()
+    torch.lazymem.synchronize()
+    assert torch.lazymem.memory_allocated() == base
+    assert torch_lazymem._C._buffers_alive() == buffers
 
 
 def test_a_new_shape_is_planned_anew_and_an_old_one_reused_again():
