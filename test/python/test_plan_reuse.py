@@ -69,6 +69,7 @@ def test_reused_plans_hold_no_buffer_once_the_step_is_over():
     # A plan handed back after it ran keeps its synthesized nodes (batch norm's passes) for the next
     # step, without their buffers: once the model and its data are gone, every buffer is freed.
     torch.manual_seed(0)
+    torch.lazymem.synchronize()  # (whatever an earlier test left pending)
     gc.collect()
     base = torch.lazymem.memory_allocated()
     buffers = torch_lazymem._C._buffers_alive()
