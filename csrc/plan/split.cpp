@@ -296,7 +296,9 @@ bool SplitBuilder::walk(int32_t b, uint32_t version, int32_t s, std::unordered_s
   if (cone.count(p)) return true;
   const NodeInfo& ni = a_.nodes[p];
   const Node& n = *ni.node;
-  if (!ni.loop || ni.stage >= s || n.effectful || n.random || ni.barrier) return false;
+  // (A random loop node draws keyed by batch rows from a seed drawn once, the first time it runs:
+  // run again for a chunk's rows, it draws the same numbers, whatever the chunking.)
+  if (!ni.loop || ni.stage >= s || n.effectful || ni.barrier) return false;
   cone.insert(p);
   if (cone.size() > kMaxCone) return false;
   for (size_t j = 0; j < n.defs.size(); ++j) {

@@ -74,10 +74,11 @@ class SplitBuilder {
   // Whether a node running before stage `s` ends writes a version of `b` after `version`.
   bool overwritten(int32_t b, uint32_t version, int32_t s) const;
   // Whether the nodes computing `version` of `b` can run again for a chunk's rows in loop stage `s`,
-  // collecting them in `cone`: each is a loop node of an earlier stage that draws no random numbers
-  // and has no effect, writes nothing but chunk-local values (its whole or partial results are
-  // dropped when it runs again) and reads either chunk-local values (computed again in turn) or
-  // values still unchanged when `s` runs (weights, finished reductions, stored rows).
+  // collecting them in `cone`: each is a loop node of an earlier stage that has no effect (random
+  // ones draw keyed by row: the same numbers again), writes nothing but chunk-local values (its
+  // whole or partial results are dropped when it runs again) and reads either chunk-local values
+  // (computed again in turn) or values still unchanged when `s` runs (weights, finished reductions,
+  // stored rows).
   static constexpr size_t kMaxCone = 128;
   bool walk(int32_t b, uint32_t version, int32_t s, std::unordered_set<int32_t>& cone) const;
   // Every recomputed value can be computed again in each loop that reads it.
