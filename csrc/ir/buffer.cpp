@@ -9,7 +9,7 @@ std::atomic<int64_t> g_alive{0};
 std::atomic<int64_t> g_resident{0};
 } // namespace
 
-LazyBuffer::LazyBuffer(size_t n) : id(g_next_id.fetch_add(1, std::memory_order_relaxed)), nbytes(n) {
+LazyBuffer::LazyBuffer(size_t n) : nbytes(n), id(g_next_id.fetch_add(1, std::memory_order_relaxed)) {
   g_alive.fetch_add(1, std::memory_order_relaxed);
 }
 

@@ -18,39 +18,42 @@ struct LazyBuffer : c10::intrusive_ptr_target {
   LazyBuffer(const LazyBuffer&) = delete;
   LazyBuffer& operator=(const LazyBuffer&) = delete;
 
-  const uint64_t id;
+  // The fields the planner reads for every buffer of a program (plan/fingerprint.cpp), cold after
+  // the step's kernels ran, come first: they fill the object's first two cache lines.
+
   // Logical size of the phantom storage; grows with resize_ (never shrinks).
   std::atomic<size_t> nbytes;
-  // Cleared by the phantom DataPtr deleter when no tensor or storage refers to the buffer any more.
-  // Once false it never becomes true again: nothing can name the buffer to read it.
-  std::atomic<bool> storage_alive{true};
-
-  // --- guarded by Program's mutex ---
-  uint32_t version = 0;          // latest recorded version; 0 = allocated, never written
-  // Batch provenance (DESIGN.md §7): a buffer whose value came from the host (an upload) is a data
-  // leaf, its dim 0 the batch, unless it holds module state, comes from a tensor that requires grad,
-  // or the user said otherwise (torch_lazymem.mark_batch).
+  // Planner scratch: valid while one plan is built, under the flush mutex.
+  uint64_t plan_stamp = 0;
+  int64_t plan_bytes = 0;
+  uint64_t live_epoch = 0;       // (Program's mutex) epoch of the last detached segment whose live-out set holds it
+  uint32_t version = 0;          // (Program's mutex) latest recorded version; 0 = allocated, never written
+  uint32_t upload_version = 0;   // (Program's mutex) the version a host upload wrote (0: none)...
+  // (Program's mutex) Batch provenance (DESIGN.md §7): a buffer whose value came from the host (an
+  // upload) is a data leaf, its dim 0 the batch, unless it holds module state, comes from a tensor
+  // that requires grad, or the user said otherwise (torch_lazymem.mark_batch).
   enum class BatchHint : uint8_t { kAuto, kNever, kMarked };
   BatchHint batch_hint = BatchHint::kAuto;
-  uint32_t upload_version = 0;   // the version a host upload wrote (0: none)...
-  int64_t upload_rows = 0;       // ...its dim-0 size and that dim's byte stride
+
+  // --- written only by the thread holding the flush mutex ---
+  bool real_on_host = false;     // real is in host memory (a split result larger than the budget)
+  uint32_t real_version = 0;
+  c10::Storage real;             // data on the backing device (or host), holding version real_version
+  std::exception_ptr poison;     // set when the node that should have written it failed
+  uint64_t exec_epoch = 0;       // the execution that last wrote its real data (see ExecOutcome)
+
+  // --- guarded by Program's mutex ---
+  int64_t upload_rows = 0;       // ...the upload's dim-0 size and that dim's byte stride
   int64_t upload_stride_bytes = 0;
   int64_t mark_rows = 0;         // kMarked: the batch size and the byte stride of the marked dim
   int64_t mark_stride_bytes = 0;
   uint64_t last_writer_seq = 0;  // seq of the latest node that writes this buffer (maybe executed)
   uint32_t pending_writes = 0;   // pending nodes that write it (defs and in-place writes)
-  uint64_t live_epoch = 0;       // epoch of the last detached segment whose live-out set holds it
 
-  // --- planner scratch: valid while one plan is built, under the flush mutex ---
-  uint64_t plan_stamp = 0;
-  int64_t plan_bytes = 0;
-
-  // --- written only by the thread holding the flush mutex ---
-  c10::Storage real;             // data on the backing device, holding version real_version
-  bool real_on_host = false;     // ...or in host memory (a split result larger than the budget)
-  uint32_t real_version = 0;
-  std::exception_ptr poison;     // set when the node that should have written it failed
-  uint64_t exec_epoch = 0;       // the execution that last wrote its real data (see ExecOutcome)
+  const uint64_t id;
+  // Cleared by the phantom DataPtr deleter when no tensor or storage refers to the buffer any more.
+  // Once false it never becomes true again: nothing can name the buffer to read it.
+  std::atomic<bool> storage_alive{true};
 
   bool has_real() const {
     return static_cast<bool>(real);

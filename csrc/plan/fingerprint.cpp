@@ -162,8 +162,8 @@ void fingerprint(const PlanInput& in, Fingerprint& fp) {
   // each node's object, then its references, then their buffers are fetched a few nodes ahead.
   auto refs_ahead = [](const Node* n) {
     for (const Use& u : n->uses) {
-      __builtin_prefetch(&u.ref.buf);
-      __builtin_prefetch(&u.write_version);
+      __builtin_prefetch(&u.write_version); // (through ref.version: one line, or two when it straddles)
+      __builtin_prefetch(&u.ref.version);
     }
     for (const Def& d : n->defs) {
       __builtin_prefetch(&d.ref.buf);
