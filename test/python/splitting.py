@@ -9,10 +9,11 @@ import contextlib
 import copy
 from typing import Any, Callable
 
+import pytest
 import torch
 
 import torch_lazymem
-from torch_lazymem.testing import force_chunks
+from torch_lazymem.testing import force_chunks, memory_cap, parse_bytes, simulated_device
 
 ORDERS = ("step_then_item", "item_first")
 B = 10  # the tests' batch: chunks of 2, 3 and 8 leave a ragged last chunk
@@ -97,3 +98,31 @@ def train_split(
     with split(), context():
         assert_state_close(eager, lazy, opt_e, opt_l)
     return torch_lazymem.stats()
+
+
+def sgd_step_where_eager_runs_out(
+    model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, cap: str,
+    context: Callable[[], Any] = contextlib.nullcontext,
+) -> tuple[dict[str, int], str]:
+    """Checks that eager runs out of memory under `cap` for a cross-entropy step of `model`, then takes
+    one SGD step on lazymem under a simulated device of `cap` (inside `context`): peak within the
+    capacity, parameters and buffers equal to an uncapped eager step. Returns lazymem's stats and
+    explain() text."""
+    with memory_cap(cap), pytest.raises(torch.OutOfMemoryError):
+        ce(copy.deepcopy(model), (x, t)).backward()
+    ref = copy.deepcopy(model)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ce(ref, (x, t)).backward()
+    opt_r.step()
+    with context(), simulated_device(cap):
+        lazy = copy.deepcopy(model).to("lazymem")
+        opt = torch.optim.SGD(lazy.parameters(), lr=0.1)
+        torch_lazymem.reset_stats()
+        loss = ce(lazy, (x.to("lazymem"), t.to("lazymem")))
+        loss.backward()
+        opt.step()
+        loss.item()
+        stats, text = torch_lazymem.stats(), torch_lazymem.explain(print_it=False)
+        assert stats["peak_bytes"] <= parse_bytes(cap)
+        assert_state_close(ref, lazy)
+    return stats, text

@@ -2,8 +2,9 @@
 one pass over the batch and read by a later one (a convolution's output that batch norm reads after
 its statistics pass, an activation the backward reads) is stored whole when that fits the device; when
 it does not, it is recomputed chunk by chunk in each pass that reads it — the nodes computing it run
-again for the chunk's rows — when they can run again (no random draws, no effect, nothing written but
-chunk-local values, inputs unchanged by then), else it is held in host memory. explain() says which.
+again for the chunk's rows — when they can run again (no effect, nothing written but chunk-local
+values, inputs unchanged by then; random ops draw keyed by row, the same again), else it is held in
+host memory. explain() says which.
 
 Exactness: with torch_lazymem.testing.force_recompute() every value that can be is recomputed, and
 training is compared with eager in float64 at assert_close defaults, force_chunks 2/3/8 over a batch
@@ -19,7 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from splitting import B, assert_state_close, batch_of, ce, train_split
+from splitting import B, batch_of, ce, sgd_step_where_eager_runs_out, train_split
 from test_split_cross_batch import CASES as CROSS_BATCH
 from test_split_models import BatchNormResNet
 
@@ -30,8 +31,6 @@ from torch_lazymem.testing import (
     force_recompute,
     injected_failures,
     memory_cap,
-    parse_bytes,
-    simulated_device,
 )
 
 
@@ -140,35 +139,22 @@ class WideBNNet(nn.Module):
         return self.body(x)
 
 
+@contextlib.contextmanager
+def recompute_set_to(value: bool):
+    previous = torch_lazymem.recompute()
+    torch_lazymem.set_recompute(value)
+    try:
+        yield
+    finally:
+        torch_lazymem.set_recompute(previous)
+
+
 @pytest.mark.parametrize("recompute", [True, False])
 def test_activations_that_do_not_fit_are_recomputed_or_held_in_host_memory(recompute):
     torch.manual_seed(0)
     model = WideBNNet().double()
     x, t = torch.randn(64, 3, 16, 16, dtype=torch.float64), torch.randint(0, 10, (64,))
-    cap = "3MiB"
-    with memory_cap(cap), pytest.raises(torch.OutOfMemoryError):
-        ce(copy.deepcopy(model), (x, t)).backward()
-    ref = copy.deepcopy(model)
-    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
-    ce(ref, (x, t)).backward()
-    opt_r.step()
-    previous = torch_lazymem.recompute()
-    torch_lazymem.set_recompute(recompute)
-    try:
-        with simulated_device(cap):
-            lazy = copy.deepcopy(model).to("lazymem")
-            opt = torch.optim.SGD(lazy.parameters(), lr=0.1)
-            torch_lazymem.reset_stats()
-            loss = ce(lazy, (x.to("lazymem"), t.to("lazymem")))
-            loss.backward()
-            opt.step()
-            loss.item()
-            s = torch_lazymem.stats()
-            text = torch_lazymem.explain(print_it=False)
-            assert s["peak_bytes"] <= parse_bytes(cap)
-            assert_state_close(ref, lazy)
-    finally:
-        torch_lazymem.set_recompute(previous)
+    s, text = sgd_step_where_eager_runs_out(model, x, t, "3MiB", context=lambda: recompute_set_to(recompute))
     if recompute:
         assert s["values_recomputed"] >= 2 and s["values_in_host_memory"] == 0, text
         assert "recomputed chunk by chunk" in text
