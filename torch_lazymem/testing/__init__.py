@@ -9,8 +9,8 @@ and an allocation past the capacity raises ``torch.OutOfMemoryError``, as CUDA d
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Union
+from collections.abc import Callable, Iterator
+from typing import Any, Union
 
 from .. import _C
 from ..api import backing_device, set_backing_device
@@ -60,15 +60,22 @@ def memory_cap(capacity: Capacity) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def no_plan_reuse() -> Iterator[None]:
-    """Plans every materialization from scratch (the plan cache off and emptied), as
-    ``LAZYMEM_PLAN_CACHE=0`` does for a whole run."""
-    previous = bool(_C._plan_cache())
-    _C._set_plan_cache(False)
+def _switched(get: Callable[[], Any], set_: Callable[[Any], None], value: Any) -> Iterator[None]:
+    """Sets one of the core's switches for the block, then puts back what it was."""
+    previous = get()
+    set_(value)
     try:
         yield
     finally:
-        _C._set_plan_cache(previous)
+        set_(previous)
+
+
+@contextlib.contextmanager
+def no_plan_reuse() -> Iterator[None]:
+    """Plans every materialization from scratch (the plan cache off and emptied), as
+    ``LAZYMEM_PLAN_CACHE=0`` does for a whole run."""
+    with _switched(_C._plan_cache, _C._set_plan_cache, False):
+        yield
 
 
 @contextlib.contextmanager
@@ -77,12 +84,8 @@ def force_chunks(n: int) -> Iterator[None]:
     tests and debugging); ``n`` larger than the batch gives chunks of one row."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"lazymem: force_chunks expects a positive number of chunks, got {n!r}")
-    previous = int(_C._force_chunks())
-    _C._set_force_chunks(n)
-    try:
+    with _switched(_C._force_chunks, _C._set_force_chunks, n):
         yield
-    finally:
-        _C._set_force_chunks(previous)
 
 
 @contextlib.contextmanager
@@ -90,12 +93,8 @@ def force_recompute() -> Iterator[None]:
     """Recomputes every batch-sharded value that crosses passes of a split, chunk by chunk where it is
     read, whenever the nodes computing it can run again, instead of storing it (normally only values
     that do not fit the device are recomputed; for tests)."""
-    previous = bool(_C._force_recompute())
-    _C._set_force_recompute(True)
-    try:
+    with _switched(_C._force_recompute, _C._set_force_recompute, True):
         yield
-    finally:
-        _C._set_force_recompute(previous)
 
 
 def fail_allocation(n: int) -> None:
