@@ -41,6 +41,7 @@ std::map<std::string, int64_t> Stats::snapshot() const {
       {"plan_ns", ld(plan_ns)},
       {"nodes_planned", ld(nodes_planned)},
       {"plans_reused", ld(plans_reused)},
+      {"fingerprints_from_tape", ld(fingerprints_from_tape)},
       {"values_recomputed", ld(values_recomputed)},
       {"values_in_host_memory", ld(values_in_host_memory)},
   };
@@ -70,6 +71,7 @@ void Stats::reset() {
   plan_ns = 0;
   nodes_planned = 0;
   plans_reused = 0;
+  fingerprints_from_tape = 0;
   values_recomputed = 0;
   values_in_host_memory = 0;
 }
@@ -81,6 +83,7 @@ static Config* make_config() {
   }
   if (const char* p = std::getenv("LAZYMEM_PLAN_CACHE")) c->plan_cache = std::string(p) != "0";
   if (const char* p = std::getenv("LAZYMEM_RECOMPUTE")) c->recompute = std::string(p) != "0";
+  if (const char* p = std::getenv("LAZYMEM_CHECK_TAPE")) c->check_tape = std::string(p) == "1";
   if (const char* n = std::getenv("LAZYMEM_FLUSH_NODES")) {
     c->flush_threshold_nodes = std::strtoull(n, nullptr, 10);
   }

@@ -35,6 +35,7 @@ struct Stats {
   std::atomic<uint64_t> plan_ns{0};          // time spent planning (make_plan), summed
   std::atomic<uint64_t> nodes_planned{0};    // nodes given to the planner, summed
   std::atomic<uint64_t> plans_reused{0};     // materializations whose plan came from the plan cache
+  std::atomic<uint64_t> fingerprints_from_tape{0}; // plan fingerprints read from the Program's tape (ir/tape.h)
   std::atomic<uint64_t> values_recomputed{0};  // values crossing passes recomputed per pass, not stored
   std::atomic<uint64_t> values_in_host_memory{0}; // batch-sharded values a split assembled in host memory
   std::map<std::string, int64_t> snapshot() const;
@@ -71,6 +72,9 @@ struct Config {
   std::atomic<bool> recompute{true};
   // Recompute every value crossing passes that can be, fitting or not (testing).
   std::atomic<bool> force_recompute{false};
+  // Check at every plan that the Program's tape (ir/tape.h), kept as nodes are appended, equals one
+  // built from the nodes (LAZYMEM_CHECK_TAPE=1; the test suite sets it).
+  std::atomic<bool> check_tape{false};
 };
 Config& config();
 

@@ -49,6 +49,8 @@ struct LazyBuffer : c10::intrusive_ptr_target {
   int64_t mark_stride_bytes = 0;
   uint64_t last_writer_seq = 0;  // seq of the latest node that writes this buffer (maybe executed)
   uint32_t pending_writes = 0;   // pending nodes that write it (defs and in-place writes)
+  uint32_t tape_number = 0;      // its number in the Program's tape (ir/tape.h) while tape_stamp is the tape's
+  uint64_t tape_stamp = 0;
 
   const uint64_t id;
   // Cleared by the phantom DataPtr deleter when no tensor or storage refers to the buffer any more.

@@ -14,6 +14,20 @@ Program& Program::get() {
   return *p;
 }
 
+Program::Program() {
+  tape_.reset(Tape::Scratch::kProgram);
+}
+
+void Program::retape() {
+  tape_.reset(Tape::Scratch::kProgram);
+  for (const auto& n : pending_) tape_.add(*n);
+}
+
+void Program::recycle_tape(Tape&& tape) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (tape.words.capacity() > spare_tape_.words.capacity()) spare_tape_ = std::move(tape);
+}
+
 static uint64_t def_bytes(const Node& n) {
   uint64_t b = 0;
   for (const auto& d : n.defs) b += d.ref.buf->nbytes.load(std::memory_order_relaxed);
@@ -58,6 +72,7 @@ uint64_t Program::append(NodePtr node) {
   }
   pending_bytes_ += def_bytes(*node);
   note_pending_writes(*node, +1);
+  tape_.add(*node);
   pending_.push_back(std::move(node));
   pending_size_.store(pending_.size(), std::memory_order_relaxed);
   return seq;
@@ -101,6 +116,15 @@ Segment Program::take_prefix(uint64_t upto) {
   }
   pending_size_.store(pending_.size(), std::memory_order_relaxed);
   if (seg.nodes.empty()) return seg;
+  if (pending_.empty() && tape_.nodes == seg.nodes.size()) {
+    // Everything pending: the segment takes the tape, the program starts a new one in spare room.
+    seg.tape = std::move(tape_);
+    tape_ = std::move(spare_tape_);
+    tape_.reset(Tape::Scratch::kProgram);
+    spare_tape_ = Tape{};
+  } else {
+    retape(); // (what stays pending numbered from its first node)
+  }
   static std::atomic<uint64_t> epochs{0};
   seg.epoch = epochs.fetch_add(1, std::memory_order_relaxed) + 1;
   for (const auto& n : pending_) {
@@ -131,6 +155,7 @@ void Program::restore_prefix(std::vector<NodePtr> nodes) {
     pending_.push_front(std::move(*it));
   }
   pending_size_.store(pending_.size(), std::memory_order_relaxed);
+  retape();
 }
 
 void Program::verify() {

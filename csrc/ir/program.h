@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "ir/node.h"
+#include "ir/tape.h"
 
 namespace lazymem {
 
@@ -23,6 +24,9 @@ struct Segment {
   // The set is kept as an epoch stamp on each buffer (no allocation): take_prefix stamps the live
   // buffers with a fresh epoch under the program lock. Valid while the segment is being executed.
   uint64_t epoch = 0;
+  // The nodes' tape when the Program kept it whole for them (the segment is everything pending
+  // and nothing was put back since the tape started); not `valid` otherwise.
+  Tape tape;
   bool is_live_out(const LazyBuffer& b) const {
     return b.live_epoch == epoch;
   }
@@ -31,6 +35,7 @@ struct Segment {
 class Program {
  public:
   static Program& get();
+  Program();
 
   // Appends a node: assigns seq, the versions its uses read, the versions its writes create and
   // version 1 of every def. Returns the seq. Thread-safe.
@@ -60,6 +65,8 @@ class Program {
   // after an out-of-memory error), in front of everything recorded since. Any subset of the
   // detached prefix, in program order.
   void restore_prefix(std::vector<NodePtr> nodes);
+  // Hands back a segment's tape once it is planned: the next one is written into its room.
+  void recycle_tape(Tape&& tape);
 
   // Checks the program's invariants (increasing seqs, versions consistent); throws if violated.
   void verify();
@@ -68,6 +75,11 @@ class Program {
  private:
   std::mutex mu_;
   std::deque<NodePtr> pending_;
+  // The tape of every pending node (ir/tape.h), written as they are appended; renumbered from the
+  // first pending node when nodes are put back or a prefix leaves some behind.
+  Tape tape_;
+  Tape spare_tape_;
+  void retape();
   uint64_t next_seq_ = 1;
   std::atomic<uint64_t> pending_bytes_{0};
   std::atomic<size_t> pending_size_{0};

@@ -1,14 +1,16 @@
 // plan: the fingerprint of a planner input (see plan/reuse.h): everything the planner reads, in a
 // canonical order — per node the id of its cached meta result (or every word of it), its buffers
-// numbered by first appearance and versions relative to each buffer's first reference; per buffer
-// the facts the plan depends on; the budget policy, memory held, chunking and recompute settings
-// and the workspace model's generation.
+// numbered by first appearance and versions relative to each buffer's first reference (the nodes'
+// tape, ir/tape.h: the Program's, written as they were recorded, or one built here); per buffer the
+// facts the plan depends on; the buffers the sync point reads; the budget policy, memory held,
+// chunking and recompute settings and the workspace model's generation.
 #include "plan/reuse.h"
 
 #include <algorithm>
 #include <cstring>
 #include <functional>
 
+#include "core/check.h"
 #include "core/config.h"
 #include "ops/op_rules.h"
 #include "plan/workspace.h"
@@ -47,6 +49,11 @@ struct KeyWriter {
   }
   void put_i(int64_t v) {
     put(static_cast<uint64_t>(v));
+  }
+  void copy(const uint64_t* src, size_t count) {
+    reserve(count);
+    std::memcpy(p + n, src, count * sizeof(uint64_t));
+    n += count;
   }
   void put_d(double d) {
     uint64_t bits;
@@ -131,140 +138,119 @@ uint64_t mix(uint64_t h, uint64_t v) {
 
 std::atomic<uint64_t> g_stamps{uint64_t{1} << 60}; // apart from the memory model's stamps
 
+// The words of an open node (ir/tape.h) around its references' numbers and versions, which `refs`
+// holds as the tape wrote them. Returns the tape words consumed.
+size_t write_open(KeyWriter& w, const Node& n, const uint64_t* refs) {
+  w.put(reinterpret_cast<uintptr_t>(&n.op.schema()));
+  w.put(uint64_t{n.upload} | (uint64_t{n.random} << 1) | (uint64_t{n.effectful} << 2) |
+        (uint64_t{n.grad_mode} << 3) | (uint64_t{n.row_keyed != nullptr} << 4) |
+        (static_cast<uint64_t>(n.uses.size()) << 8) | (static_cast<uint64_t>(n.defs.size()) << 24) |
+        (static_cast<uint64_t>(n.args.size()) << 40));
+  if (n.row_keyed) w.put(n.row_keyed->block);
+  // Floating-point arguments of pointwise and _foreach_ ops (AdamW's per-step scalars) cannot
+  // change placements; elsewhere (batch norm's momentum, a norm's order) they are part of the key.
+  bool floats = true;
+  for (const c10::IValue& a : n.args) {
+    if (a.isDouble()) {
+      floats = !op_rules(n.op).float_values_shape_free;
+      break;
+    }
+  }
+  const int32_t state_arg = op_rules(n.op).state_arg;
+  for (size_t i = 0; i < n.args.size(); ++i) {
+    if (static_cast<int32_t>(i) == state_arg) {
+      w.put(10); // per-call state (a collector's token), not structure
+    } else {
+      w.value(n.args[i], floats);
+    }
+  }
+  const uint64_t* r = refs;
+  for (const Def& d : n.defs) {
+    w.put(static_cast<uint32_t>(d.ret) | (static_cast<uint64_t>(static_cast<uint32_t>(d.elem)) << 32));
+    w.put(r[0]);
+    w.put(r[1]);
+    w.meta(d.ref.meta);
+    r += Tape::kOpenDef;
+  }
+  for (const Use& u : n.uses) {
+    w.put(static_cast<uint32_t>(u.arg) | (static_cast<uint64_t>(static_cast<uint32_t>(u.elem)) << 32));
+    w.put(r[0]);
+    w.put(r[1] ^ (uint64_t{u.write} << 62) ^ (uint64_t{u.write_only} << 63));
+    if (u.write) w.put(r[2]);
+    w.put(u.covered_nbytes);
+    w.meta(u.ref.meta);
+    r += Tape::kOpenUse;
+  }
+  return static_cast<size_t>(r - refs);
+}
+
+bool same_tape(const Tape& a, const Tape& b) {
+  return a.nodes == b.nodes && a.words == b.words && a.buffers == b.buffers && a.base == b.base && a.open == b.open;
+}
+
 } // namespace
 
 void fingerprint(const PlanInput& in, Fingerprint& fp) {
   fp.words = 0;
   fp.hash = 0;
-  fp.buffers.clear();
-  fp.base.clear();
   fp.budget = -1;
   fp.cacheable = false;
-  thread_local size_t per_node = 24; // words per node last time
-  KeyWriter w(fp.key, in.nodes.size() * (per_node + 4) + 64);
+  // The Program's tape when it describes exactly these nodes; else one built now (cold reads).
+  thread_local Tape built;
+  const Tape* tape = in.tape;
+  const bool kept = tape != nullptr && tape->valid && tape->nodes == in.nodes.size();
+  if (!kept || config().check_tape.load(std::memory_order_relaxed)) {
+    built.reset(Tape::Scratch::kPlanner);
+    for (const Node* n : in.nodes) built.add(*n);
+    LAZYMEM_INTERNAL_ASSERT(!kept || same_tape(*tape, built), "the program's tape differs from its ", in.nodes.size(),
+                            " nodes");
+  }
+  if (kept) {
+    stats().fingerprints_from_tape.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    tape = &built;
+  }
+  thread_local size_t open_words = 16; // words per open node last time
+  KeyWriter w(fp.key, tape->words.size() + tape->open.size() * open_words + tape->buffers.size() * 4 + 64);
+  // The nodes: the tape's words, open nodes written out from the nodes (fetched ahead: they are cold).
+  const uint64_t* words = tape->words.data();
+  size_t pos = 0;
+  const size_t opens = tape->open.size();
+  for (size_t k = 0; k < std::min<size_t>(opens, 4); ++k) __builtin_prefetch(in.nodes[tape->open[k].second]);
+  const size_t before = w.n;
+  for (size_t k = 0; k < opens; ++k) {
+    if (k + 4 < opens) __builtin_prefetch(in.nodes[tape->open[k + 4].second]);
+    const auto [offset, node] = tape->open[k];
+    w.copy(words + pos, offset - pos);
+    pos = offset + write_open(w, *in.nodes[node], words + offset);
+  }
+  w.copy(words + pos, tape->words.size() - pos);
+  if (opens) open_words = (w.n - before - tape->words.size()) / opens + 8;
+  // Per buffer, in the tape's numbering, the facts the plan depends on. The buffers are numbered in
+  // the planner's scratch for the needed ones below.
   const uint64_t stamp = g_stamps.fetch_add(1, std::memory_order_relaxed) + 1;
-  // Canonical numbers live in the buffers' planner scratch for the duration (under the flush lock).
-  fp.buffers.reserve(in.nodes.size() + 16);
-  fp.base.reserve(in.nodes.size() + 16);
-  auto canon = [&](LazyBuffer* b, uint32_t version) -> int64_t {
-    if (b->plan_stamp != stamp) {
-      b->plan_stamp = stamp;
-      b->plan_bytes = static_cast<int64_t>(fp.buffers.size());
-      fp.buffers.push_back(b);
-      fp.base.push_back(version);
+  const std::vector<LazyBuffer*>& bufs = tape->buffers;
+  fp.buffers.assign(bufs.begin(), bufs.end());
+  fp.base.assign(tape->base.begin(), tape->base.end());
+  const size_t nb = bufs.size();
+  for (size_t c = 0; c < std::min<size_t>(nb, 8); ++c) __builtin_prefetch(&bufs[c]->nbytes);
+  for (size_t c = 0; c < nb; ++c) {
+    LazyBuffer* b = bufs[c];
+    if (c + 8 < nb) {
+      __builtin_prefetch(&bufs[c + 8]->nbytes);
+      __builtin_prefetch(&bufs[c + 8]->real);
     }
-    return b->plan_bytes;
-  };
-  auto rel = [&](int64_t c, uint32_t version) {
-    return static_cast<uint64_t>(static_cast<int64_t>(version) - static_cast<int64_t>(fp.base[c]));
-  };
-  // The program was recorded a while ago and the kernels since have evicted it from the caches:
-  // each node's object, then its references, then their buffers are fetched a few nodes ahead.
-  auto refs_ahead = [](const Node* n) {
-    for (const Use& u : n->uses) {
-      __builtin_prefetch(&u.write_version); // (through ref.version: one line, or two when it straddles)
-      __builtin_prefetch(&u.ref.version);
-    }
-    for (const Def& d : n->defs) {
-      __builtin_prefetch(&d.ref.buf);
-      __builtin_prefetch(&d.ref.version);
-    }
-  };
-  auto buffers_ahead = [](const Node* n) {
-    for (const Use& u : n->uses) __builtin_prefetch(&u.ref.buf->plan_stamp);
-    for (const Def& d : n->defs) __builtin_prefetch(&d.ref.buf->plan_stamp);
-  };
-  const size_t count = in.nodes.size();
-  for (size_t i = 0; i < count; ++i) {
-    const Node* n = in.nodes[i];
-    if (i + 8 < count) {
-      __builtin_prefetch(in.nodes[i + 8]);
-      __builtin_prefetch(reinterpret_cast<const char*>(in.nodes[i + 8]) + 64);
-    }
-    if (i + 4 < count) refs_ahead(in.nodes[i + 4]);
-    if (i + 2 < count) buffers_ahead(in.nodes[i + 2]);
-    if (n->sig != 0) {
-      // Recorded from a cached meta result: its id stands for the op, arguments and geometry (a 0
-      // word first, never a schema pointer); what changes between steps follows.
-      w.reserve(4 + 2 * n->defs.size() + 3 * n->uses.size());
-      w.raw(0);
-      w.raw(n->sig);
-      w.raw(uint64_t{n->grad_mode} | (uint64_t{n->row_keyed != nullptr} << 1));
-      if (n->row_keyed) w.raw(n->row_keyed->block);
-      for (const Def& d : n->defs) {
-        const int64_t c = canon(d.ref.buf.get(), d.ref.version);
-        w.raw(static_cast<uint64_t>(c));
-        w.raw(rel(c, d.ref.version));
-      }
-      for (const Use& u : n->uses) {
-        const int64_t c = canon(u.ref.buf.get(), u.ref.version);
-        w.raw(static_cast<uint64_t>(c));
-        w.raw(rel(c, u.ref.version));
-        if (u.write) w.raw(rel(c, u.write_version));
-      }
-      continue;
-    }
-    w.put(reinterpret_cast<uintptr_t>(&n->op.schema()));
-    w.put(uint64_t{n->upload} | (uint64_t{n->random} << 1) | (uint64_t{n->effectful} << 2) |
-          (uint64_t{n->grad_mode} << 3) | (uint64_t{n->row_keyed != nullptr} << 4) |
-          (static_cast<uint64_t>(n->uses.size()) << 8) | (static_cast<uint64_t>(n->defs.size()) << 24) |
-          (static_cast<uint64_t>(n->args.size()) << 40));
-    if (n->row_keyed) w.put(n->row_keyed->block);
-    // Floating-point arguments of pointwise and _foreach_ ops (AdamW's per-step scalars) cannot
-    // change placements; elsewhere (batch norm's momentum, a norm's order) they are part of the key.
-    bool floats = true;
-    for (const c10::IValue& a : n->args) {
-      if (a.isDouble()) {
-        floats = !op_rules(n->op).float_values_shape_free;
-        break;
-      }
-    }
-    const int32_t state_arg = op_rules(n->op).state_arg;
-    for (size_t i = 0; i < n->args.size(); ++i) {
-      if (static_cast<int32_t>(i) == state_arg) {
-        w.put(10); // per-call state (a collector's token), not structure
-      } else {
-        w.value(n->args[i], floats);
-      }
-    }
-    for (const Def& d : n->defs) {
-      const int64_t c = canon(d.ref.buf.get(), d.ref.version);
-      w.put(static_cast<uint32_t>(d.ret) | (static_cast<uint64_t>(static_cast<uint32_t>(d.elem)) << 32));
-      w.put_i(c);
-      w.put(rel(c, d.ref.version));
-      w.meta(d.ref.meta);
-    }
-    for (const Use& u : n->uses) {
-      const int64_t c = canon(u.ref.buf.get(), u.ref.version);
-      w.put(static_cast<uint32_t>(u.arg) | (static_cast<uint64_t>(static_cast<uint32_t>(u.elem)) << 32));
-      w.put_i(c);
-      w.put(rel(c, u.ref.version) ^ (uint64_t{u.write} << 62) ^ (uint64_t{u.write_only} << 63));
-      if (u.write) w.put(rel(c, u.write_version));
-      w.put(u.covered_nbytes);
-      w.meta(u.ref.meta);
-    }
-  }
-  std::vector<char> needed(fp.buffers.size(), 0);
-  for (LazyBuffer* b : in.needed) {
-    if (b->plan_stamp != stamp) return; // needed but not in the program: not cached
-    needed[b->plan_bytes] = 1;
-  }
-  for (size_t c = 0; c < fp.buffers.size(); ++c) {
-    const LazyBuffer* b = fp.buffers[c];
-    if (c + 4 < fp.buffers.size()) {
-      __builtin_prefetch(&fp.buffers[c + 4]->nbytes);
-      __builtin_prefetch(&fp.buffers[c + 4]->real);
-    }
-    if (c + 2 < fp.buffers.size() && fp.buffers[c + 2]->has_real()) {
-      __builtin_prefetch(fp.buffers[c + 2]->real.unsafeGetStorageImpl());
-    }
+    if (c + 3 < nb && bufs[c + 3]->has_real()) __builtin_prefetch(bufs[c + 3]->real.unsafeGetStorageImpl());
     if (b->poison) return;
-    w.put(b->nbytes.load(std::memory_order_relaxed));
-    w.put(uint64_t{b->has_real()} | (uint64_t{b->real_on_host} << 1) | (static_cast<uint64_t>(b->batch_hint) << 2) |
-          (uint64_t{in.live_out(*b)} << 4) | (uint64_t{needed[c] != 0} << 5));
+    b->plan_stamp = stamp;
+    b->plan_bytes = static_cast<int64_t>(c);
+    w.reserve(7);
+    w.raw(b->nbytes.load(std::memory_order_relaxed));
+    w.raw(uint64_t{b->has_real()} | (uint64_t{b->real_on_host} << 1) | (static_cast<uint64_t>(b->batch_hint) << 2) |
+          (uint64_t{in.live_out(*b)} << 4));
     if (b->has_real()) {
-      w.put(b->real.nbytes());
-      w.put(rel(static_cast<int64_t>(c), b->real_version));
+      w.raw(b->real.nbytes());
+      w.raw(static_cast<uint64_t>(static_cast<int64_t>(b->real_version) - static_cast<int64_t>(fp.base[c])));
     }
     // A leaf uploaded by an earlier materialization whose data is still the upload (plan/batch.cpp).
     if (b->upload_version != 0 && b->has_real() && b->real_version == b->upload_version) {
@@ -276,6 +262,17 @@ void fingerprint(const PlanInput& in, Fingerprint& fp) {
       w.put_i(b->mark_stride_bytes);
     }
   }
+  // The buffers the sync point reads, by number.
+  thread_local std::vector<uint64_t> needed;
+  needed.clear();
+  for (LazyBuffer* b : in.needed) {
+    if (b->plan_stamp != stamp) return; // needed but not in the program: not cached
+    needed.push_back(static_cast<uint64_t>(b->plan_bytes));
+  }
+  std::sort(needed.begin(), needed.end());
+  needed.erase(std::unique(needed.begin(), needed.end()), needed.end());
+  w.put(needed.size());
+  w.copy(needed.data(), needed.size());
   // The budget is not in the key (free memory moves a little between steps): a stored plan is
   // reused while its predicted peak fits and the budget has not grown much (see reuse_plan).
   fp.budget = in.budget;
@@ -287,7 +284,6 @@ void fingerprint(const PlanInput& in, Fingerprint& fp) {
   w.put(Workspace::get().generation());
   fp.words = w.n;
   fp.cacheable = w.ok;
-  per_node = in.nodes.empty() ? per_node : fp.words / in.nodes.size() + 1;
   // The hash only picks the candidate entry (keys are compared whole): a sample of the key.
   uint64_t h = fp.words;
   const size_t step = std::max<size_t>(1, fp.words / 64);

@@ -68,7 +68,10 @@ struct ConstNarrow {
 };
 
 struct PlannedNode {
+  // (The node and the buffers released after it first: a reused plan patches both, one cache line.)
   Node* node = nullptr;
+  // Whole stages: buffers whose real data dies after this node.
+  std::vector<LazyBuffer*> release;
   int32_t index = -1;               // position in the detached program
   c10::OperatorHandle op;           // usually node->op; a rule may replace the overload
   // Loop stages only (whole stages bind everything whole):
@@ -80,8 +83,6 @@ struct PlannedNode {
   double post_div_written = 0;      // ...and the operand it writes (out= forms)
   std::vector<int32_t> accumulate;  // slots whose partial is complete after this node
   std::vector<int32_t> free_slots;  // slots whose chunk-local storage dies after this node
-  // Whole stages: buffers whose real data dies after this node.
-  std::vector<LazyBuffer*> release;
   bool placeholder_outputs = false; // outputs whose shapes the kernel may not match (BN placeholders)
   int64_t predicted = 0;            // the memory model's device bytes while it runs (LAZYMEM_DEBUG=3)
   uint32_t rng_block = 0;           // > 0: random draws keyed by blocks of this many batch rows

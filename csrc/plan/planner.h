@@ -6,6 +6,7 @@
 #include <functional>
 #include <vector>
 
+#include "ir/tape.h"
 #include "plan/plan.h"
 
 namespace lazymem {
@@ -14,6 +15,7 @@ struct PlanInput {
   std::vector<Node*> nodes;                           // the detached program, in program order
   std::function<bool(const LazyBuffer&)> live_out;    // values that must survive the plan
   std::vector<LazyBuffer*> needed;                    // values the sync point reads
+  const Tape* tape = nullptr;                         // the nodes' tape, if kept as they were recorded
   // A split may leave batch-sharded values that survive but are not needed pending (recomputed
   // chunk by chunk when something needs them) instead of storing them at full size.
   bool keep_pending = true;

@@ -29,8 +29,10 @@ struct Fingerprint {
 };
 
 // The fingerprint of a planner input: per node the id of the meta result it was recorded from
-// (Node::sig) with its buffers and versions, or every word of it when it has none. Written into
-// `fp`, whose vectors keep their room from one call to the next (no allocation per step).
+// (Node::sig) with its buffers and versions, or every word of it when it has none — read from the
+// nodes' tape (PlanInput::tape, written as they were recorded) when there is one, else from a tape
+// built now — then per buffer the facts the plan depends on. Written into `fp`, whose vectors keep
+// their room from one call to the next (no allocation per step).
 void fingerprint(const PlanInput& in, Fingerprint& fp);
 
 // The cached plan for a program with this fingerprint, instantiated on `in`'s nodes and buffers.

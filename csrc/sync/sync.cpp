@@ -179,6 +179,7 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   for (const auto& n : seg.nodes) in.nodes.push_back(n.get());
   in.live_out = [&](const LazyBuffer& b) { return seg.is_live_out(b); };
   in.needed = req.needed;
+  if (seg.tape.valid) in.tape = &seg.tape;
   in.keep_pending = req.keep_pending;
   in.resident = device_bytes_held();
   in.budget = memory_budget();
@@ -251,7 +252,9 @@ void sync(const SyncRequest& req) {
   for (int attempt = 0;; ++attempt) {
     Segment seg = Program::get().take_prefix(req.upto);
     if (seg.nodes.empty()) return;
-    if (!run_segment(seg, req, attempt)) return;
+    const bool again = run_segment(seg, req, attempt);
+    Program::get().recycle_tape(std::move(seg.tape));
+    if (!again) return;
     stats().oom_retries.fetch_add(1, std::memory_order_relaxed);
   }
 }

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+import os
 
-import torch_lazymem
+# Every plan checks that the program's tape, kept as nodes are recorded, equals one built from the
+# nodes (csrc/ir/tape.h): a stale tape would hand out another program's plan.
+os.environ.setdefault("LAZYMEM_CHECK_TAPE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import torch_lazymem  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -65,6 +65,48 @@ def test_later_steps_reuse_the_plan_and_run_the_same_kernels():
     assert all(s["plans_reused"] == 0 for s in stats0)
 
 
+def tape_loop(model, steps, reuse=True):
+    """A training loop whose input stays named across `loss.item()`: the split keeps its batch-sharded
+    value pending, and the next step is recorded behind it (no synchronize in between)."""
+    lazy = copy.deepcopy(model).double().to("lazymem")
+    opt = torch.optim.SGD(lazy.parameters(), lr=0.1)
+    torch.lazymem.synchronize()
+    losses, per_step = [], []
+    with force_chunks(3), (contextlib.nullcontext() if reuse else no_plan_reuse()):
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(10, 12, generator=g, dtype=torch.float64).to("lazymem")
+            y = torch.randint(0, 5, (10,), generator=g).to("lazymem")
+            torch_lazymem.reset_stats()
+            loss = F.cross_entropy(lazy(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            per_step.append(torch_lazymem.stats())
+    torch.lazymem.synchronize()
+    return losses, [p.detach().cpu() for p in lazy.parameters()], per_step
+
+
+def test_steps_are_fingerprinted_from_the_tape_recorded_with_them():
+    # Each materialization's fingerprint is read from the tape the program kept as it was recorded,
+    # also when a split left nodes pending in front of the next step's (the tape is renumbered when
+    # they are put back). The suite runs with LAZYMEM_CHECK_TAPE=1 (conftest): every plan also
+    # builds the tape from the nodes and raises an internal error if the two differ.
+    assert os.environ.get("LAZYMEM_CHECK_TAPE") == "1"
+    torch.manual_seed(0)
+    model = bn_mlp()
+    losses, params, stats = tape_loop(model, 6)
+    assert all(s["fingerprints_from_tape"] >= 1 for s in stats), [s["fingerprints_from_tape"] for s in stats]
+    assert all(s["nodes_kept_pending"] > 0 for s in stats), [s["nodes_kept_pending"] for s in stats]
+    assert sum(s["plans_reused"] for s in stats[1:]) >= 2, [s["plans_reused"] for s in stats]
+    losses0, params0, stats0 = tape_loop(model, 6, reuse=False)
+    assert all(s["plans_reused"] == 0 for s in stats0)
+    assert losses == losses0  # bitwise: the same plan
+    for a, b in zip(params, params0):
+        assert torch.equal(a, b)
+
+
 def test_reused_plans_hold_no_buffer_once_the_step_is_over():
     # A plan handed back after it ran keeps its synthesized nodes (batch norm's passes) for the next
     # step, without their buffers: once the model and its data are gone, every buffer is freed.

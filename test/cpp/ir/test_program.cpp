@@ -80,6 +80,82 @@ TEST(Program, PendingBytesTrackDefs) {
   EXPECT_EQ(p.pending_def_bytes(), 0u);
 }
 
+// The tape a segment carries (kept by the Program as nodes were appended) must be the one built
+// from its nodes: the plan fingerprint trusts it.
+void expect_tape_of_nodes(const Segment& seg) {
+  ASSERT_TRUE(seg.tape.valid);
+  Tape built;
+  built.reset(Tape::Scratch::kPlanner);
+  for (const NodePtr& n : seg.nodes) built.add(*n);
+  EXPECT_EQ(seg.tape.nodes, built.nodes);
+  EXPECT_EQ(seg.tape.words, built.words);
+  EXPECT_EQ(seg.tape.buffers, built.buffers);
+  EXPECT_EQ(seg.tape.base, built.base);
+  EXPECT_EQ(seg.tape.open, built.open);
+}
+
+NodePtr with_sig(NodePtr n, uint64_t sig) {
+  n->sig = sig;
+  return n;
+}
+
+TEST(Tape, NumbersBuffersByFirstAppearanceWithRelativeVersions) {
+  Program p;
+  auto a = buffer(), b = buffer();
+  p.append(with_sig(NodeBuilder().def(a).build(), 7));
+  p.append(NodeBuilder().read(a).write(a).def(b).build()); // open (no sig): its references only
+  p.append(with_sig(NodeBuilder().read(b).write(a).build(), 9));
+  Segment seg = p.take_prefix(UINT64_MAX);
+  expect_tape_of_nodes(seg);
+  // node 0 (sig 7): header, sig, then a (number 0, version 1 - base 1) in one word
+  const std::vector<uint64_t> head{Tape::kSigMark, 7, 0};
+  EXPECT_TRUE(std::equal(head.begin(), head.end(), seg.tape.words.begin()));
+  // node 1 is open: b (number 1, its first version), a read at version 1 and written to 2
+  ASSERT_EQ(seg.tape.open.size(), 1u);
+  EXPECT_EQ(seg.tape.open[0], (std::pair<uint32_t, uint32_t>{3, 1}));
+  const std::vector<uint64_t> open{1, 0, 0, 0, 0, 0, 0, 1};
+  EXPECT_TRUE(std::equal(open.begin(), open.end(), seg.tape.words.begin() + 3));
+  // node 2 (sig 9): b read at its first version, a read at version 2 and written to 3
+  const std::vector<uint64_t> last{Tape::kSigMark, 9, uint64_t{1} << 32, 1, 2};
+  EXPECT_TRUE(std::equal(last.begin(), last.end(), seg.tape.words.begin() + 11));
+  EXPECT_EQ(seg.tape.words.size(), 16u);
+  EXPECT_EQ(seg.tape.buffers, (std::vector<LazyBuffer*>{a.get(), b.get()}));
+  EXPECT_EQ(seg.tape.base, (std::vector<uint32_t>{1, 1}));
+}
+
+TEST(Tape, StaysTheNodesTapeThroughPrefixesAndRestores) {
+  Program p;
+  auto a = buffer(), b = buffer(), c = buffer(), d = buffer();
+  uint64_t s1 = p.append(with_sig(NodeBuilder().def(a).build(), 3));
+  p.append(NodeBuilder().read(a).def(b).build());
+  p.append(with_sig(NodeBuilder().read(b).write(a).def(c).build(), 4));
+  // A prefix that leaves nodes behind carries no tape; what stays is numbered from its first node.
+  Segment first = p.take_prefix(s1);
+  EXPECT_FALSE(first.tape.valid);
+  p.append(with_sig(NodeBuilder().read(c).def(d).build(), 5));
+  Segment rest = p.take_prefix(UINT64_MAX);
+  ASSERT_EQ(rest.nodes.size(), 3u);
+  expect_tape_of_nodes(rest);
+  // Nodes put back in front of nodes recorded meanwhile: the tape is renumbered over all of them.
+  auto e = buffer();
+  p.append(with_sig(NodeBuilder().read(d).def(e).build(), 6));
+  std::vector<NodePtr> back;
+  back.push_back(std::move(rest.nodes[1]));
+  back.push_back(std::move(rest.nodes[2]));
+  back[0]->sig = 0; // (changed while detached, as put_back does)
+  p.restore_prefix(std::move(back));
+  Segment again = p.take_prefix(UINT64_MAX);
+  ASSERT_EQ(again.nodes.size(), 3u);
+  expect_tape_of_nodes(again);
+  EXPECT_EQ(again.tape.open.size(), 1u);
+  // A new tape starts empty after everything was taken.
+  auto f = buffer();
+  p.append(with_sig(NodeBuilder().def(f).build(), 8));
+  Segment last = p.take_prefix(UINT64_MAX);
+  expect_tape_of_nodes(last);
+  EXPECT_EQ(last.tape.buffers, (std::vector<LazyBuffer*>{f.get()}));
+}
+
 TEST(TensorMeta, CoversAndExtent) {
   TensorMeta m = dense(16);
   EXPECT_TRUE(m.covers(64));
