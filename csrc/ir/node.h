@@ -97,6 +97,10 @@ struct Node {
   bool effectful = false;       // no outputs but a side effect (asserts): never eliminated
   bool grad_mode = false;       // GradMode at record time: a few kernels read it (replay restores it)
   bool upload = false;          // copy_ of a host tensor (its snapshot in args[1]) into a lazymem buffer
+  // Op rules the plan fingerprint reads (ir/tape.h), set by the recorder: floating-point arguments
+  // cannot change placements (pointwise and _foreach_ ops), and the argument that is per-call state.
+  bool floats_shape_free = false;
+  int32_t state_arg = -1;
   // Row-keyed random draws, set when a random node first runs split: block b of `block` batch rows
   // draws from a generator seeded with mix(seed, b), so the same rows get the same numbers however
   // the batch is chunked, and a node kept pending draws them again when it runs later, split or not.

@@ -6,14 +6,13 @@
 //
 // Buffers are numbered by first appearance (per node its defs, then its uses) and every version is
 // relative to its buffer's first reference (32 bits, modulo 2^32). A node recorded from a cached meta
-// result (Node::sig != 0) is described whole, a word per reference:
+// result (Node::sig != 0) takes a word per reference:
 //   kSigMark | grad mode | row-keyed << 1, sig, [row-keyed block],
 //   per def number << 32 | version, per use number << 32 | version [, write version if it writes]
 // (the sig stands for the op, arguments, geometry and which uses write, so it fixes the length).
-// Any other node is "open": the tape holds only its references, per def (number, version) and per
-// use (number, version, write version); the fingerprint writes the rest (starting with the op's
-// schema address, never kSigMark's top bits) from the node itself, with the op rules ir does not
-// know.
+// Any other node is described in full: its schema's address (never kSigMark's top bits), flags and
+// counts, every argument (floating-point values where they can change placements), and per def and
+// use its position, buffer number, versions and view.
 #pragma once
 
 #include <cstdint>
@@ -32,17 +31,15 @@ struct Tape {
   std::vector<uint64_t> words;
   std::vector<LazyBuffer*> buffers;               // by number (held by the nodes' references)
   std::vector<uint32_t> base;                     // per buffer: the version of its first reference
-  std::vector<std::pair<uint32_t, uint32_t>> open; // open nodes: (word offset, node position)
   size_t nodes = 0;
   bool valid = false; // describes exactly the nodes it was given since reset(), in order
+  bool describable = true; // false: an argument it cannot describe (the program is not cached)
 
   // Empty and valid, numbering with a fresh stamp; the vectors keep their room.
   void reset(Scratch scratch);
   // Appends `n`, whose versions are assigned (Program::append).
   void add(const Node& n);
-  // Words per def / use of an open node.
-  static constexpr size_t kOpenDef = 2, kOpenUse = 3;
-  // The first word of a node described whole: top bits no user-space address has.
+  // The first word of a node with a sig: top bits no user-space address has.
   static constexpr uint64_t kSigMark = uint64_t{0xF} << 60;
 
  private:

@@ -1,5 +1,5 @@
 // plan: the fingerprint of a planner input (see plan/reuse.h): everything the planner reads, in a
-// canonical order — per node the id of its cached meta result (or every word of it), its buffers
+// canonical order — per node the id of its cached meta result (or all of it), its buffers
 // numbered by first appearance and versions relative to each buffer's first reference (the nodes'
 // tape, ir/tape.h: the Program's, written as they were recorded, or one built here); per buffer the
 // facts the plan depends on; the buffers the sync point reads; the budget policy, memory held,
@@ -8,11 +8,9 @@
 
 #include <algorithm>
 #include <cstring>
-#include <functional>
 
 #include "core/check.h"
 #include "core/config.h"
-#include "ops/op_rules.h"
 #include "plan/workspace.h"
 
 namespace lazymem {
@@ -20,7 +18,6 @@ namespace {
 
 struct KeyWriter {
   std::vector<uint64_t>& k;
-  bool ok = true;
   size_t n = 0; // words written (k is kept larger)
   size_t cap = 0;
   uint64_t* p = nullptr;
@@ -55,80 +52,6 @@ struct KeyWriter {
     std::memcpy(p + n, src, count * sizeof(uint64_t));
     n += count;
   }
-  void put_d(double d) {
-    uint64_t bits;
-    std::memcpy(&bits, &d, sizeof(bits));
-    put(bits);
-  }
-
-  void meta(const TensorMeta& m) {
-    put(m.sizes.size() | (static_cast<uint64_t>(m.dtype) << 8) | (uint64_t{m.conj} << 16) | (uint64_t{m.neg} << 17));
-    for (int64_t s : m.sizes) put_i(s);
-    for (int64_t s : m.strides) put_i(s);
-    put_i(m.offset);
-  }
-  void host_tensor(const at::Tensor& t) {
-    if (!t.defined()) {
-      put(1);
-      return;
-    }
-    put(2 | (static_cast<uint64_t>(t.scalar_type()) << 8) | (static_cast<uint64_t>(t.device().type()) << 16) |
-        (static_cast<uint64_t>(t.dim()) << 32));
-    for (int64_t s : t.sizes()) put_i(s);
-    for (int64_t s : t.strides()) put_i(s);
-    put_i(t.storage_offset());
-  }
-  // An argument; floating-point values only when they can change placements (`floats`).
-  void value(const c10::IValue& v, bool floats) {
-    if (v.isNone()) {
-      put(10);
-    } else if (v.isInt()) {
-      put(11);
-      put_i(v.toInt());
-    } else if (v.isBool()) {
-      put(12 + v.toBool());
-    } else if (v.isDouble()) {
-      put(14);
-      if (floats) put_d(v.toDouble());
-    } else if (v.isSymInt()) {
-      auto i = v.toSymInt().maybe_as_int();
-      if (!i) {
-        ok = false;
-        return;
-      }
-      put(11);
-      put_i(*i);
-    } else if (v.isSymFloat()) {
-      put(14);
-      if (floats) put_d(v.toSymFloat().guard_float(__FILE__, __LINE__));
-    } else if (v.isComplexDouble()) {
-      put(15);
-      if (floats) {
-        put_d(v.toComplexDouble().real());
-        put_d(v.toComplexDouble().imag());
-      }
-    } else if (v.isString()) {
-      put(16);
-      put(std::hash<std::string>{}(v.toStringRef()));
-    } else if (v.isDevice()) {
-      put(17 | (static_cast<uint64_t>(v.toDevice().type()) << 8) |
-          (static_cast<uint64_t>(static_cast<uint8_t>(v.toDevice().index())) << 16));
-    } else if (v.isTensor()) {
-      host_tensor(v.toTensor());
-    } else if (v.isGenerator()) {
-      put(18);
-    } else if (v.isList()) {
-      c10::ArrayRef<c10::IValue> l = v.toListRef();
-      put(19 | (static_cast<uint64_t>(l.size()) << 8));
-      for (size_t i = 0; i < l.size() && ok; ++i) value(l[i], floats);
-    } else if (v.isTuple()) {
-      const auto& e = v.toTupleRef().elements();
-      put(20 | (static_cast<uint64_t>(e.size()) << 8));
-      for (const auto& x : e) value(x, floats);
-    } else {
-      ok = false; // an argument the fingerprint cannot describe: not cached
-    }
-  }
 };
 
 uint64_t mix(uint64_t h, uint64_t v) {
@@ -138,54 +61,9 @@ uint64_t mix(uint64_t h, uint64_t v) {
 
 std::atomic<uint64_t> g_stamps{uint64_t{1} << 60}; // apart from the memory model's stamps
 
-// The words of an open node (ir/tape.h) around its references' numbers and versions, which `refs`
-// holds as the tape wrote them. Returns the tape words consumed.
-size_t write_open(KeyWriter& w, const Node& n, const uint64_t* refs) {
-  w.put(reinterpret_cast<uintptr_t>(&n.op.schema()));
-  w.put(uint64_t{n.upload} | (uint64_t{n.random} << 1) | (uint64_t{n.effectful} << 2) |
-        (uint64_t{n.grad_mode} << 3) | (uint64_t{n.row_keyed != nullptr} << 4) |
-        (static_cast<uint64_t>(n.uses.size()) << 8) | (static_cast<uint64_t>(n.defs.size()) << 24) |
-        (static_cast<uint64_t>(n.args.size()) << 40));
-  if (n.row_keyed) w.put(n.row_keyed->block);
-  // Floating-point arguments of pointwise and _foreach_ ops (AdamW's per-step scalars) cannot
-  // change placements; elsewhere (batch norm's momentum, a norm's order) they are part of the key.
-  bool floats = true;
-  for (const c10::IValue& a : n.args) {
-    if (a.isDouble()) {
-      floats = !op_rules(n.op).float_values_shape_free;
-      break;
-    }
-  }
-  const int32_t state_arg = op_rules(n.op).state_arg;
-  for (size_t i = 0; i < n.args.size(); ++i) {
-    if (static_cast<int32_t>(i) == state_arg) {
-      w.put(10); // per-call state (a collector's token), not structure
-    } else {
-      w.value(n.args[i], floats);
-    }
-  }
-  const uint64_t* r = refs;
-  for (const Def& d : n.defs) {
-    w.put(static_cast<uint32_t>(d.ret) | (static_cast<uint64_t>(static_cast<uint32_t>(d.elem)) << 32));
-    w.put(r[0]);
-    w.put(r[1]);
-    w.meta(d.ref.meta);
-    r += Tape::kOpenDef;
-  }
-  for (const Use& u : n.uses) {
-    w.put(static_cast<uint32_t>(u.arg) | (static_cast<uint64_t>(static_cast<uint32_t>(u.elem)) << 32));
-    w.put(r[0]);
-    w.put(r[1] ^ (uint64_t{u.write} << 62) ^ (uint64_t{u.write_only} << 63));
-    if (u.write) w.put(r[2]);
-    w.put(u.covered_nbytes);
-    w.meta(u.ref.meta);
-    r += Tape::kOpenUse;
-  }
-  return static_cast<size_t>(r - refs);
-}
-
 bool same_tape(const Tape& a, const Tape& b) {
-  return a.nodes == b.nodes && a.words == b.words && a.buffers == b.buffers && a.base == b.base && a.open == b.open;
+  return a.nodes == b.nodes && a.describable == b.describable && a.words == b.words && a.buffers == b.buffers &&
+         a.base == b.base;
 }
 
 } // namespace
@@ -210,22 +88,8 @@ void fingerprint(const PlanInput& in, Fingerprint& fp) {
   } else {
     tape = &built;
   }
-  thread_local size_t open_words = 16; // words per open node last time
-  KeyWriter w(fp.key, tape->words.size() + tape->open.size() * open_words + tape->buffers.size() * 4 + 64);
-  // The nodes: the tape's words, open nodes written out from the nodes (fetched ahead: they are cold).
-  const uint64_t* words = tape->words.data();
-  size_t pos = 0;
-  const size_t opens = tape->open.size();
-  for (size_t k = 0; k < std::min<size_t>(opens, 4); ++k) __builtin_prefetch(in.nodes[tape->open[k].second]);
-  const size_t before = w.n;
-  for (size_t k = 0; k < opens; ++k) {
-    if (k + 4 < opens) __builtin_prefetch(in.nodes[tape->open[k + 4].second]);
-    const auto [offset, node] = tape->open[k];
-    w.copy(words + pos, offset - pos);
-    pos = offset + write_open(w, *in.nodes[node], words + offset);
-  }
-  w.copy(words + pos, tape->words.size() - pos);
-  if (opens) open_words = (w.n - before - tape->words.size()) / opens + 8;
+  KeyWriter w(fp.key, tape->words.size() + tape->buffers.size() * 4 + 64);
+  w.copy(tape->words.data(), tape->words.size()); // the nodes
   // Per buffer, in the tape's numbering, the facts the plan depends on. The buffers are numbered in
   // the planner's scratch for the needed ones below.
   const uint64_t stamp = g_stamps.fetch_add(1, std::memory_order_relaxed) + 1;
@@ -283,7 +147,7 @@ void fingerprint(const PlanInput& in, Fingerprint& fp) {
         (static_cast<uint64_t>(in.recompute) << 2));
   w.put(Workspace::get().generation());
   fp.words = w.n;
-  fp.cacheable = w.ok;
+  fp.cacheable = tape->describable;
   // The hash only picks the candidate entry (keys are compared whole): a sample of the key.
   uint64_t h = fp.words;
   const size_t step = std::max<size_t>(1, fp.words / 64);

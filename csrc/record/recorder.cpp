@@ -164,6 +164,8 @@ class Emitter {
     if (call_.cacheable) n.sig = meta_.id;
     n.grad_mode = c10::GradMode::is_enabled();
     n.effectful = rules.effect_only;
+    n.floats_shape_free = rules.float_values_shape_free;
+    n.state_arg = rules.state_arg;
     LazyGenerator* gen = nullptr;
     if (rules.random) {
       n.random = true;
