@@ -162,7 +162,7 @@ class Walker {
         out_.node = p;
         return false;
       }
-      for (LazyBuffer* b : pn.release) release(b);
+      for (LazyBuffer* b : st.released_after(pn)) release(b);
     }
     return true;
   }

@@ -102,7 +102,7 @@ class Simulator {
       for (const Use& u : n.uses) out.bytes += touch(u.ref.buf.get(), u.ref.meta.extent_bytes());
       point(s, false, cur_ + out + workspace(pn, false), &n);
       cur_ += out;
-      for (LazyBuffer* b : pn.release) release(b);
+      for (LazyBuffer* b : st.released_after(pn)) release(b);
     }
   }
 

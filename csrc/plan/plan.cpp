@@ -2,6 +2,7 @@
 #include "plan/planner.h"
 
 #include <algorithm>
+#include <optional>
 #include <sstream>
 
 #include "core/config.h"
@@ -28,11 +29,52 @@ Plan whole_plan(const PlanInput& in, const Schedule& s) {
   for (size_t p = 0; p < s.run.size(); ++p) {
     Node* n = in.nodes[s.run[p]];
     PlannedNode pn(n, s.run[p]);
-    pn.release = s.release[p];
+    pn.release_begin = static_cast<uint32_t>(st.released.size());
+    st.released.insert(st.released.end(), s.release[p].begin(), s.release[p].end());
+    pn.release_end = static_cast<uint32_t>(st.released.size());
     pn.placeholder_outputs = op_rules(n->op).placeholder_outputs;
     st.nodes.push_back(std::move(pn));
   }
   plan.stages.push_back(std::move(st));
+  return plan;
+}
+
+// A small program of which nothing runs: no random draw, no effect, nothing it writes survives (what
+// is left when a value read earlier is dropped before synchronize(): its upload was kept pending).
+// The plan plan_anew would make — every node eliminated, every buffer that does not survive
+// released — without scheduling or a fingerprint. nullopt when something may run.
+std::optional<Plan> nothing_runs(const PlanInput& in) {
+  constexpr size_t kMaxNodes = 16; // (buffers are deduplicated by a linear search)
+  if (in.nodes.size() > kMaxNodes || !in.needed.empty()) return std::nullopt;
+  c10::SmallVector<LazyBuffer*, 32> dead;
+  c10::SmallVector<const LazyBuffer*, 8> live;
+  // False when `b` survives the plan.
+  auto note = [&](LazyBuffer* b) {
+    if (std::find(dead.begin(), dead.end(), b) != dead.end()) return true;
+    if (std::find(live.begin(), live.end(), b) != live.end()) return false;
+    if (in.live_out(*b)) {
+      live.push_back(b);
+      return false;
+    }
+    dead.push_back(b);
+    return true;
+  };
+  for (const Node* n : in.nodes) {
+    if (n->random || n->effectful) return std::nullopt;
+    for (const Def& d : n->defs) {
+      if (!note(d.ref.buf.get())) return std::nullopt;
+    }
+    for (const Use& u : n->uses) {
+      if (!note(u.ref.buf.get()) && u.write) return std::nullopt;
+    }
+  }
+  Plan plan;
+  plan.budget = in.budget;
+  plan.resident = in.resident;
+  plan.eliminated = in.nodes.size();
+  plan.release_unused.assign(dead.begin(), dead.end());
+  plan.stages.emplace_back();
+  plan.predicted_peak = model_memory(plan).peak(plan, nullptr);
   return plan;
 }
 
@@ -62,7 +104,19 @@ Plan plan_anew(const PlanInput& in) {
 
 } // namespace
 
+void Stage::set_released(const std::vector<std::pair<size_t, LazyBuffer*>>& after) {
+  std::vector<uint32_t> end(nodes.size() + 1, 0); // counts, then each node's begin
+  for (const auto& a : after) ++end[a.first + 1];
+  for (size_t p = 0; p < nodes.size(); ++p) {
+    end[p + 1] += end[p];
+    nodes[p].release_begin = nodes[p].release_end = end[p];
+  }
+  released.assign(after.size(), nullptr);
+  for (const auto& a : after) released[nodes[a.first].release_end++] = a.second;
+}
+
 Plan make_plan(const PlanInput& in) {
+  if (std::optional<Plan> nothing = nothing_runs(in)) return std::move(*nothing);
   if (!config().plan_cache.load(std::memory_order_relaxed)) return plan_anew(in);
   // The fingerprint's room is kept per thread; it is moved into the cache only with a new plan.
   thread_local Fingerprint fp;

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include <c10/util/ArrayRef.h>
+
 #include "ir/node.h"
 #include "ops/placement.h"
 
@@ -68,10 +70,10 @@ struct ConstNarrow {
 };
 
 struct PlannedNode {
-  // (The node and the buffers released after it first: a reused plan patches both, one cache line.)
-  Node* node = nullptr;
-  // Whole stages: buffers whose real data dies after this node.
-  std::vector<LazyBuffer*> release;
+  Node* node = nullptr;              // (first: a reused plan patches it)
+  // Whole stages: the buffers whose real data dies after this node, Stage::released[begin, end).
+  uint32_t release_begin = 0;
+  uint32_t release_end = 0;
   int32_t index = -1;               // position in the detached program
   c10::OperatorHandle op;           // usually node->op; a rule may replace the overload
   // Loop stages only (whole stages bind everything whole):
@@ -125,12 +127,20 @@ struct Stage {
   // Buffers with full storage this loop writes row by row, and their versions when it ends.
   std::vector<std::pair<LazyBuffer*, uint32_t>> written;
   std::vector<LazyBuffer*> release_after; // whole buffers whose last use is in this stage
+  // Whole stages: the buffers released after each node, node after node (one flat list: a reused
+  // plan patches it in one walk).
+  std::vector<LazyBuffer*> released;
   // Values an earlier loop computed that this loop computes again chunk by chunk (nodes marked
   // `recompute`) instead of reading them from storage: they did not fit the device budget.
   std::vector<LazyBuffer*> recomputed;
   int64_t chunks() const {
     return chunk > 0 ? (batch + chunk - 1) / chunk : 0;
   }
+  c10::ArrayRef<LazyBuffer*> released_after(const PlannedNode& pn) const {
+    return c10::ArrayRef<LazyBuffer*>(released).slice(pn.release_begin, pn.release_end - pn.release_begin);
+  }
+  // Sets `released` from (node position, buffer) pairs: each node's buffers in the order given.
+  void set_released(const std::vector<std::pair<size_t, LazyBuffer*>>& after);
 };
 
 // A program node the planner replaced by synthesized ones (batch norm in training mode). If the plan

@@ -61,10 +61,8 @@ struct Template {
 template <class FB, class FN, class FV>
 void visit(Plan& p, FB&& fb, FN&& fn, FV&& fv) {
   for (Stage& st : p.stages) {
-    for (PlannedNode& pn : st.nodes) {
-      fn(pn.node);
-      for (LazyBuffer*& b : pn.release) fb(b);
-    }
+    for (PlannedNode& pn : st.nodes) fn(pn.node);
+    for (LazyBuffer*& b : st.released) fb(b);
     for (Slot& s : st.slots) fb(s.buf);
     for (Accumulator& a : st.accs) {
       fv(a.buf, a.version);

@@ -312,6 +312,7 @@ void SplitBuilder::emit_partials(Stage& st, LoopState& ls) {
 
 void SplitBuilder::emit_releases() {
   // After the last access, unless the value survives the plan or a kept node reads it.
+  std::vector<std::vector<std::pair<size_t, LazyBuffer*>>> after(plan_.stages.size()); // whole stages
   for (auto [b, at] : last_) {
     const BufInfo& bi = a_.bufs[b];
     if ((bi.live && !kept_[b]) || bi.needed || pinned_[b]) continue;
@@ -320,8 +321,11 @@ void SplitBuilder::emit_releases() {
     if (st.loop) {
       st.release_after.push_back(bi.buf);
     } else {
-      st.nodes[at.second].release.push_back(bi.buf);
+      after[at.first].emplace_back(at.second, bi.buf);
     }
+  }
+  for (size_t s = 0; s < after.size(); ++s) {
+    if (!plan_.stages[s].loop) plan_.stages[s].set_released(after[s]);
   }
   // Dead values nothing here touches.
   for (size_t b = 0; b < a_.bufs.size(); ++b) {
