@@ -74,7 +74,7 @@ std::optional<Plan> nothing_runs(const PlanInput& in) {
   plan.eliminated = in.nodes.size();
   plan.release_unused.assign(dead.begin(), dead.end());
   plan.stages.emplace_back();
-  plan.predicted_peak = model_memory(plan).peak(plan, nullptr);
+  plan.predicted_peak = in.resident; // (nothing is allocated: what the memory model gives)
   return plan;
 }
 

@@ -1,6 +1,8 @@
 // plan/split: split plans of synthetic programs (no device, nothing runs): stages, bindings,
 // partials and their finishes, the targets' total-weight pass, seeds and conflicts, what stays
 // pending, the memory model and the chunk size.
+#include <algorithm>
+
 #include <gtest/gtest.h>
 
 #include "plan/memory.h"
@@ -180,6 +182,33 @@ TEST(ChunkSize, BalancedAlignedAndTheLargestThatFits) {
   EXPECT_EQ(balanced_chunk(16384, 2348), 2344); // 7 chunks, aligned up
   EXPECT_EQ(balanced_chunk(16384, 2341), 2341); // aligning would take an 8th chunk
   EXPECT_EQ(balanced_chunk(10, 4), 4);          // 4, 4, 2
+}
+
+// A program none of whose results survive (an upload kept pending, then dropped): every node is
+// eliminated and every buffer released, nothing scheduled; one whose result survives runs.
+TEST(Plans, NothingRunsWhenNoResultSurvives) {
+  for (bool survives : {false, true}) {
+    ProgramBuilder b;
+    T x = b.upload({4, 3});
+    T y = b.op("aten::relu", "", {kNone}, {{0, x}}, {{4, 3}})[0];
+    Plan p = b.plan(survives ? std::vector<T>{y} : std::vector<T>{}, {}, /*force_chunks=*/0);
+    size_t run = 0;
+    for (const Stage& st : p.stages) run += st.nodes.size();
+    if (survives) {
+      EXPECT_EQ(run, 2u) << p.to_string(true);
+      EXPECT_EQ(p.eliminated, 0u);
+      continue;
+    }
+    EXPECT_EQ(run, 0u) << p.to_string(true);
+    EXPECT_EQ(p.eliminated, 2u);
+    EXPECT_FALSE(p.split);
+    EXPECT_EQ(p.predicted_peak, p.resident); // nothing allocated
+    std::vector<const LazyBuffer*> released(p.release_unused.begin(), p.release_unused.end());
+    std::sort(released.begin(), released.end());
+    std::vector<const LazyBuffer*> expect{x.buf.get(), y.buf.get()};
+    std::sort(expect.begin(), expect.end());
+    EXPECT_EQ(released, expect);
+  }
 }
 
 } // namespace
