@@ -1,6 +1,8 @@
 // plan/schedule: dead-code elimination over buffer versions and release points (no device).
+#include <functional>
 #include <unordered_set>
 
+#include "plan/planner.h"
 #include "plan/schedule.h"
 #include "test_util.h"
 
@@ -116,6 +118,51 @@ TEST(Schedule, PrintsAsText) {
   EXPECT_NE(text.find("2 nodes run, 0 eliminated"), std::string::npos) << text;
   EXPECT_NE(text.find("aten::add.Tensor"), std::string::npos) << text;
   EXPECT_NE(text.find("free b" + std::to_string(b1->id)), std::string::npos) << text;
+}
+
+// make_plan takes a shortcut for small programs of which nothing runs (no schedule, memory model or
+// fingerprint): it must agree with the scheduler on when that is and on what is released.
+TEST(Schedule, ThePlannersNothingRunsShortcutAgreesWithTheSchedule) {
+  using B = const BufferPtr&;
+  struct Case {
+    const char* name;
+    std::function<std::vector<NodePtr>(B, B)> nodes;
+    bool first_live;
+  };
+  const std::vector<Case> cases = {
+      {"dead chain",
+       [](B a, B b) { return list(NodeBuilder().def(a).build(), NodeBuilder().read(a).def(b).build()); }, false},
+      {"reads a live value", [](B a, B b) { return list(NodeBuilder().read(a).def(b).build()); }, true},
+      {"result survives",
+       [](B a, B b) { return list(NodeBuilder().def(a).build(), NodeBuilder().read(a).def(b).build()); }, true},
+      {"writes a live value",
+       [](B a, B b) { return list(NodeBuilder().def(b).build(), NodeBuilder().read(b).write(a).build()); }, true},
+      {"overwrites a dead value",
+       [](B a, B) { return list(NodeBuilder().def(a).build(), NodeBuilder().write(a, true).build()); }, false},
+      {"random", [](B a, B) { return list(NodeBuilder().def(a).random().build()); }, false},
+      {"effect", [](B, B b) { return list(NodeBuilder().read(b).effect().build()); }, false},
+  };
+  for (const Case& c : cases) {
+    auto a = buffer(), b = buffer();
+    std::unordered_set<const LazyBuffer*> live;
+    if (c.first_live) live.insert(a.get());
+    Planned p(c.nodes(a, b), live);
+    PlanInput in;
+    in.nodes.reserve(p.seg.nodes.size());
+    for (const auto& n : p.seg.nodes) in.nodes.push_back(n.get());
+    in.live_out = [&](const LazyBuffer& x) { return live.count(&x) > 0; };
+    Plan plan = make_plan(in);
+    size_t run = 0;
+    for (const Stage& st : plan.stages) run += st.nodes.size();
+    EXPECT_EQ(run, p.run().size()) << c.name << "\n" << plan.to_string(true);
+    EXPECT_EQ(plan.eliminated, p.schedule.eliminated) << c.name;
+    if (p.run().empty()) {
+      using Set = std::unordered_set<const LazyBuffer*>;
+      EXPECT_EQ(Set(plan.release_unused.begin(), plan.release_unused.end()),
+                Set(p.schedule.release_unused.begin(), p.schedule.release_unused.end()))
+          << c.name;
+    }
+  }
 }
 
 } // namespace
