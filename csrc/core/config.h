@@ -28,7 +28,7 @@ struct Stats {
   std::atomic<int64_t> chunks{0};            // chunks of the last split's largest loop
   std::atomic<int64_t> passes{0};            // loops (passes over the batch) of the last split
   std::atomic<uint64_t> barriers{0};         // nodes with batch-sharded inputs that ran whole (no rule)
-  std::atomic<uint64_t> batch_conflicts{0};  // materializations whose data leaves disagree on the batch
+  std::atomic<uint64_t> batch_conflicts{0};  // splits whose sources at their hints conflicted (solved for)
   std::atomic<uint64_t> nodes_kept_pending{0}; // nodes a split left pending (recomputed when needed)
   std::atomic<uint64_t> random_row_keyed{0}; // random node runs whose draws are keyed by batch rows
   std::atomic<uint64_t> oom_retries{0};      // plans made again after an out-of-memory error taught the model

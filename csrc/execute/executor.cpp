@@ -65,9 +65,10 @@ class Walker {
       bool ok = st.loop ? run_loop(st, s) : run_whole(st, s);
       if (!ok) {
         out_.stage = s;
-        return out_;
+        break;
       }
     }
+    record_facts();
     return out_;
   }
 
@@ -165,6 +166,20 @@ class Walker {
       for (LazyBuffer* b : st.released_after(pn)) release(b);
     }
     return true;
+  }
+
+  // The plan's batch facts, on the buffers that hold the versions they describe (a plan that stopped
+  // early did not write some of them).
+  void record_facts() {
+    for (const BatchFact& f : plan_.facts) {
+      LazyBuffer& b = *f.buf;
+      if (!b.has_real() || b.real_version != f.version || b.poison) continue;
+      b.fact_version = f.version;
+      b.fact_hint = false;
+      b.fact_batch = f.batch;
+      b.fact_rows = f.layout.rows;
+      b.fact_row_bytes = f.layout.row_bytes;
+    }
   }
 
   // Frees a buffer after its last use; one this execution did not write cannot be brought back.

@@ -47,6 +47,16 @@ struct LazyBuffer : c10::intrusive_ptr_target {
   int64_t upload_stride_bytes = 0;
   int64_t mark_rows = 0;         // kMarked: the batch size and the byte stride of the marked dim
   int64_t mark_stride_bytes = 0;
+  // Batch fact (DESIGN.md §7): version `fact_version` of the value holds a batch of `fact_rows` rows
+  // laid out [outer][rows][fact_row_bytes], batch `fact_batch` (a global id: values stored with one
+  // id pair row by row). Valid while the real data is that version. Set by an upload (a hint: dim
+  // 0, `fact_hint`) and by plans for the batch-sharded values they store, so that a later plan reads
+  // them chunk by chunk. (Program's mutex at record time, the flush mutex after a plan.)
+  uint32_t fact_version = 0;
+  bool fact_hint = false;
+  uint64_t fact_batch = 0;
+  int64_t fact_rows = 0;
+  int64_t fact_row_bytes = 0;
   uint64_t last_writer_seq = 0;  // seq of the latest node that writes this buffer (maybe executed)
   uint32_t pending_writes = 0;   // pending nodes that write it (defs and in-place writes)
   uint32_t tape_number = 0;      // its number in the Program's tape (ir/tape.h) while tape_stamp is the tape's

@@ -62,6 +62,11 @@ uint64_t Program::append(NodePtr node) {
       const TensorMeta& m = u.ref.meta;
       b.upload_rows = m.sizes.empty() ? 0 : m.sizes[0];
       b.upload_stride_bytes = m.sizes.empty() ? 0 : m.strides[0] * static_cast<int64_t>(c10::elementSize(m.dtype));
+      b.fact_version = u.write_version; // dim 0, a hint: a later plan may choose otherwise
+      b.fact_hint = true;
+      b.fact_batch = 0;
+      b.fact_rows = b.upload_rows;
+      b.fact_row_bytes = b.upload_stride_bytes;
     }
   }
   for (auto& d : node->defs) {

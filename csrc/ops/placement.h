@@ -37,6 +37,10 @@ struct Place {
   enum Kind : uint8_t { kR, kS, kP };
   Kind kind = kR;
   int8_t dim = -1;               // kS: the view dim carrying the batch
+  // kS / kP: which batch (the planner's number for it). A plan may split several independent
+  // batches, each in its own loops; rules never pair rows of two batches (places of different
+  // batches compare unequal), and the planner sets the batch of every output a rule places.
+  int8_t batch = 0;
   int64_t unit = 1;              // kS: that dim has size outer * batch * unit (batch-major in each block)
   int64_t outer = 1;             // kS: blocks flattened into that dim before the batch (1: none)
   Reduce reduce = Reduce::kNone; // kP
@@ -54,7 +58,9 @@ struct Place {
   }
   // The same sharding along another dim.
   Place at(int64_t d) const {
-    return S(d, unit, outer);
+    Place p = S(d, unit, outer);
+    p.batch = batch;
+    return p;
   }
   static Place P(Reduce r) {
     Place p;
@@ -73,7 +79,7 @@ struct Place {
   }
   bool operator==(const Place& o) const {
     return kind == o.kind && (kind != kS || (dim == o.dim && unit == o.unit && outer == o.outer)) &&
-        (kind != kP || reduce == o.reduce);
+        (kind != kP || reduce == o.reduce) && (kind == kR || batch == o.batch);
   }
   bool operator!=(const Place& o) const {
     return !(*this == o);
@@ -182,7 +188,7 @@ struct RuleCall {
   const std::vector<c10::IValue>& args; // boxed arguments; tensor slots hold None or a host constant
   c10::ArrayRef<Operand> ins;
   c10::ArrayRef<Output> outs;
-  int64_t batch;
+  int64_t batch; // rows of the batch the batch-sharded operands (or demanded outputs) carry; 0: none
   // Demand mode: placements the planner wants for the outputs (kR = no demand). Empty otherwise.
   c10::ArrayRef<Place> want;
 

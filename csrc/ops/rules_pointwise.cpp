@@ -28,6 +28,8 @@ bool linear(const RuleCall& c, RuleResult& r) {
     ++tensors;
     if (o.place.is_p()) {
       if (o.place.reduce != Reduce::kSum) return replicated(c, r);
+      // Partials of two batches are accumulated by different loops: their sum needs both finished.
+      if (first_partial >= 0 && c.ins[first_partial].place.batch != o.place.batch) return replicated(c, r);
       ++partial;
       if (first_partial < 0) first_partial = static_cast<int64_t>(i);
     }

@@ -1,16 +1,15 @@
-// plan: the batch — seeds by provenance and propagation through the op rules (DESIGN.md §7).
-//
-// Seeds are data leaves: buffers uploaded from the host that hold neither module state nor values
-// that require grad, dim 0 the batch; or buffers torch_lazymem.mark_batch marked. Sizes never
-// identify the batch: the batch size is the seeds' dim-0 size, and when leaves of different sizes
-// would each drive batch-sharded work the plan does not split. Placements then flow forward in
-// program order, each node's rule saying how its outputs relate to the batch. A node with batched
-// operands and no rule (or whose rule fails) is a barrier: it runs whole on gathered operands.
-// Marking a value batch-sharded is always correct — its rows pair with the batch by index, which is
-// all a rule assumes — so the only conflicts are one buffer with two row layouts, a loop node that
-// would write a whole value once per chunk, and partial values mixed with batch-sharded ones.
-// Sinking then turns replicated values used only row by row (a dropout mask, a mean's gradient)
-// into batch-sharded ones computed per chunk, so they never exist at full size.
+// plan: propagation of the batch through the op rules (DESIGN.md §7). Seeds are the sources the
+// solver (plan/solve.cpp) made batch-sharded, each in a batch of its own, or in the batch of the
+// stored values it shares an id with. Placements then flow forward in program order, each node's
+// rule saying how its outputs relate to the batch. Batches that an op pairs row by row with equal
+// rows are one batch from then on; batches of different rows never pair (their places compare
+// unequal, so rules that would pair them fail). A node with batched operands and no rule (or whose
+// rule fails) is a barrier: it runs whole on gathered operands. Marking a value batch-sharded is
+// always correct — its rows pair with the batch by index, which is all a rule assumes — so the only
+// conflicts are one buffer with two row layouts, a loop node that would write a whole value once per
+// chunk, and partial values mixed with batch-sharded ones. Sinking then turns replicated values used
+// only row by row (a dropout mask, a mean's gradient) into batch-sharded ones computed per chunk, so
+// they never exist at full size.
 #include "plan/analysis.h"
 
 #include <algorithm>
@@ -97,18 +96,24 @@ bool has_outer(const NodeInfo& ni, const std::vector<Place>& want) {
 bool apply_outcome(Analysis& a, int32_t i) {
   NodeInfo& ni = a.nodes[i];
   const Node& n = *ni.node;
+  // A buffer already batch-sharded by another batch of the same rows: the two are one batch.
+  auto same_batch = [&](BufInfo& b, int32_t batch) {
+    return !b.place.is_s() || a.find(b.place.batch) == a.find(batch) || a.unite(b.place.batch, batch);
+  };
   for (size_t j = 0; j < n.defs.size(); ++j) {
     if (ni.discard.size() > j && ni.discard[j]) continue;
     BufInfo& b = a.bufs[ni.def_buf[j]];
     const Place& o = ni.rr.outs[j];
     if (o.is_s()) {
-      auto l = layout_of(n.defs[j].ref.meta, b.buf->nbytes.load(), BatchDim{o.dim, o.unit, o.outer}, a.batch);
-      if (!l || (b.place.is_s() && !(b.layout == *l)) || b.place.is_p()) return false;
+      auto l = layout_of(n.defs[j].ref.meta, b.buf->nbytes.load(), BatchDim{o.dim, o.unit, o.outer}, a.rows_of(o));
+      if (!l || (b.place.is_s() && !(b.layout == *l)) || b.place.is_p() || !same_batch(b, o.batch)) return false;
       b.place = Place::S(0);
+      b.place.batch = static_cast<int8_t>(a.find(o.batch));
       b.layout = *l;
     } else if (o.is_p()) {
-      if (b.place.is_s()) return false;
+      if (b.place.is_s() || (b.place.is_p() && a.find(b.place.batch) != a.find(o.batch))) return false;
       b.place = o;
+      b.place.batch = static_cast<int8_t>(a.find(o.batch));
       b.p_first = b.p_last = n.defs[j].ref.version;
       b.p_finish = ni.rr.finalize.size() > j && ni.rr.finalize[j].kind != Finalize::kNone;
     } else if (ni.loop && n.defs[j].ref.meta.numel() != 0) {
@@ -121,15 +126,19 @@ bool apply_outcome(Analysis& a, int32_t i) {
     BufInfo& b = a.bufs[ni.use_buf[k]];
     const OperandMode& m = ni.rr.ins[k];
     if (m.mode == Mode::kRows) {
-      if (b.place.is_p()) return false;
-      auto l = layout_of(u.ref.meta, b.buf->nbytes.load(), BatchDim{m.dim, m.unit, m.outer}, a.batch);
-      if (!l || (b.place.is_s() && !(b.layout == *l))) return false;
+      if (b.place.is_p() || ni.batch < 0) return false;
+      auto l = layout_of(u.ref.meta, b.buf->nbytes.load(), BatchDim{m.dim, m.unit, m.outer},
+                         a.batches[a.find(ni.batch)].rows);
+      if (!l || (b.place.is_s() && !(b.layout == *l)) || !same_batch(b, ni.batch)) return false;
       b.place = Place::S(0);
+      b.place.batch = static_cast<int8_t>(a.find(ni.batch));
       b.layout = *l;
     } else if (m.mode == Mode::kPartial) {
-      if (b.place.is_s()) return false;
+      if (b.place.is_s() || ni.batch < 0) return false;
+      if (b.place.is_p() && a.find(b.place.batch) != a.find(ni.batch)) return false;
       if (!b.place.is_p()) b.p_first = u.write_version;
       b.place = Place::P(Reduce::kSum);
+      b.place.batch = static_cast<int8_t>(a.find(ni.batch));
       b.p_last = u.write_version;
     } else if (ni.loop && !ni.rr.writes_unchanged) {
       return false; // written whole once per chunk
@@ -166,7 +175,10 @@ std::vector<Place> wants(Analysis& a, int32_t i) {
     const BufInfo& b = a.bufs[ni.def_buf[j]];
     Place p;
     if (b.place.is_s()) {
-      if (auto bd = analyze_view(ni.node->defs[j].ref.meta, b.layout)) p = Place::S(bd->dim, bd->unit, bd->outer);
+      if (auto bd = analyze_view(ni.node->defs[j].ref.meta, b.layout)) {
+        p = Place::S(bd->dim, bd->unit, bd->outer);
+        p.batch = static_cast<int8_t>(a.find(b.place.batch));
+      }
     }
     w.push_back(p);
   }
@@ -181,86 +193,6 @@ void settle(Analysis& a, int32_t i) {
     make_barrier(a, i, why ? why : "its outputs conflict with how the batch is laid out");
     apply(a, i);
   }
-}
-
-struct Candidate {
-  int32_t buf;
-  int64_t rows;
-  RowLayout layout;
-  bool marked;
-};
-
-// Data leaves and marks among the plan's buffers.
-std::vector<Candidate> candidates(Analysis& a) {
-  std::vector<Candidate> out;
-  for (size_t b = 0; b < a.bufs.size(); ++b) {
-    LazyBuffer* buf = a.bufs[b].buf;
-    if (buf->batch_hint == LazyBuffer::BatchHint::kMarked) {
-      RowLayout l;
-      l.rows = buf->mark_rows;
-      l.row_bytes = buf->mark_stride_bytes;
-      int64_t block = l.rows * l.row_bytes;
-      if (l.rows < 2 || block <= 0 || static_cast<int64_t>(buf->nbytes.load()) % block != 0) continue;
-      l.outer = static_cast<int64_t>(buf->nbytes.load()) / block;
-      out.push_back(Candidate{static_cast<int32_t>(b), l.rows, l, true});
-    }
-  }
-  auto leaf = [&](int32_t b, const TensorMeta& m) {
-    if (a.bufs[b].buf->batch_hint != LazyBuffer::BatchHint::kAuto || m.sizes.empty() || m.sizes[0] < 2) return;
-    for (const Candidate& c : out) {
-      if (c.buf == b) return;
-    }
-    auto l = layout_of(m, a.bufs[b].buf->nbytes.load(), BatchDim{0, 1}, m.sizes[0]);
-    if (l) out.push_back(Candidate{b, m.sizes[0], *l, false});
-  };
-  for (int32_t i : a.order) {
-    const Node& n = *a.nodes[i].node;
-    if (n.upload && !n.uses.empty() && n.uses[0].full_overwrite()) leaf(a.nodes[i].use_buf[0], n.uses[0].ref.meta);
-  }
-  // Leaves uploaded by an earlier materialization whose real data is still the upload.
-  for (size_t b = 0; b < a.bufs.size(); ++b) {
-    LazyBuffer* buf = a.bufs[b].buf;
-    if (buf->upload_version == 0 || !buf->has_real() || buf->real_version != buf->upload_version) continue;
-    if (buf->batch_hint != LazyBuffer::BatchHint::kAuto || buf->upload_rows < 2) continue;
-    bool seen = false;
-    for (const Candidate& c : out) seen = seen || c.buf == static_cast<int32_t>(b);
-    RowLayout l;
-    l.rows = buf->upload_rows;
-    l.row_bytes = buf->upload_stride_bytes;
-    const int64_t block = l.rows * l.row_bytes;
-    if (seen || block <= 0 || static_cast<int64_t>(buf->nbytes.load()) % block != 0) continue;
-    l.outer = static_cast<int64_t>(buf->nbytes.load()) / block;
-    out.push_back(Candidate{static_cast<int32_t>(b), l.rows, l, false});
-  }
-  return out;
-}
-
-void propagate(Analysis& a, const std::vector<Candidate>& seeds) {
-  for (BufInfo& b : a.bufs) {
-    b.place = Place::R();
-    b.seed = false;
-  }
-  for (const Candidate& c : seeds) {
-    a.bufs[c.buf].place = Place::S(0);
-    a.bufs[c.buf].layout = c.layout;
-    a.bufs[c.buf].seed = true;
-  }
-  std::vector<int32_t> order = a.order; // synthesis may insert nodes into a.order
-  for (int32_t i : order) {
-    a.nodes[i].discard.assign(a.nodes[i].node->defs.size(), false);
-    settle(a, i);
-    if (a.nodes[i].barrier && a.nodes[i].rr.expand && expand_node(a, i)) continue;
-    if (a.nodes[i].rr.needs_total_weight && !synthesize_total_weight(a, i)) {
-      make_barrier(a, i, "its total weight could not be computed ahead");
-      apply(a, i);
-    }
-  }
-}
-
-size_t loop_nodes(const Analysis& a) {
-  size_t n = 0;
-  for (int32_t i : a.order) n += a.nodes[i].loop && !a.nodes[i].node->upload;
-  return n;
 }
 
 // Readers of every buffer, for sinking.
@@ -292,17 +224,20 @@ void sink(Analysis& a) {
       BufInfo& b = a.bufs[bi];
       if (!b.place.is_r() || b.resident || b.live || producers[bi].empty() || rd[bi].empty()) continue;
       std::optional<RowLayout> layout;
+      int32_t batch = -1;
       bool ok = true;
       for (auto [i, k] : rd[bi]) {
         // In-place producers (div_ on a dropout mask) read it too: they move into the loop with it.
         if (std::find(producers[bi].begin(), producers[bi].end(), i) != producers[bi].end()) continue;
         const NodeInfo& ni = a.nodes[i];
         const OperandMode& m = ni.rr.ins[k];
-        if (!ni.loop || m.mode != Mode::kRows) {
+        if (!ni.loop || m.mode != Mode::kRows || ni.batch < 0 || (batch >= 0 && a.find(ni.batch) != batch)) {
           ok = false;
           break;
         }
-        auto l = layout_of(ni.node->uses[k].ref.meta, b.buf->nbytes.load(), BatchDim{m.dim, m.unit, m.outer}, a.batch);
+        batch = a.find(ni.batch);
+        auto l = layout_of(ni.node->uses[k].ref.meta, b.buf->nbytes.load(), BatchDim{m.dim, m.unit, m.outer},
+                           a.batches[batch].rows);
         if (!l || (layout && !(*layout == *l))) {
           ok = false;
           break;
@@ -320,6 +255,7 @@ void sink(Analysis& a) {
       std::vector<NodeInfo> saved;
       for (int32_t p : producers[bi]) saved.push_back(a.nodes[p]);
       b.place = Place::S(0);
+      b.place.batch = static_cast<int8_t>(batch);
       b.layout = *layout;
       bool all = true;
       for (int32_t p : producers[bi]) {
@@ -340,6 +276,45 @@ void sink(Analysis& a) {
 }
 
 } // namespace
+
+void propagate(Analysis& a) {
+  a.batches.clear();
+  for (BufInfo& b : a.bufs) {
+    b.place = Place::R();
+    b.seed = false;
+  }
+  for (const Source& src : a.sources) {
+    if (src.choice < 0) continue;
+    const RowLayout& l = src.layouts[src.choice];
+    // Stored values with one batch id and the same rows start in one batch.
+    int32_t batch = -1;
+    for (size_t c = 0; c < a.batches.size() && src.id != 0; ++c) {
+      if (a.batches[c].id == src.id && a.batches[c].rows == l.rows) batch = static_cast<int32_t>(c);
+    }
+    if (batch < 0) {
+      if (a.batches.size() >= 120) continue; // (Place::batch is 8 bits: later sources stay unsplit)
+      a.batches.push_back(BatchClass{l.rows, -1, src.id});
+      batch = static_cast<int32_t>(a.batches.size() - 1);
+    }
+    BufInfo& b = a.bufs[src.buf];
+    b.place = Place::S(0);
+    b.place.batch = static_cast<int8_t>(batch);
+    b.layout = l;
+    b.seed = true;
+  }
+  std::vector<int32_t> order = a.order; // synthesis may insert nodes into a.order
+  for (int32_t i : order) {
+    a.nodes[i].discard.assign(a.nodes[i].node->defs.size(), false);
+    settle(a, i);
+    if (a.nodes[i].barrier && a.nodes[i].rr.expand && expand_node(a, i)) continue;
+    if (a.nodes[i].rr.needs_total_weight && !synthesize_total_weight(a, i)) {
+      make_barrier(a, i, "its total weight could not be computed ahead");
+      apply(a, i);
+    }
+  }
+  sink(a);
+}
+
 
 int32_t Analysis::buffer(LazyBuffer* b) {
   auto [it, inserted] = index.emplace(b, static_cast<int32_t>(bufs.size()));
@@ -362,17 +337,35 @@ int32_t Analysis::add_node(Node* n) {
   return static_cast<int32_t>(nodes.size() - 1);
 }
 
+bool Analysis::unite(int32_t x, int32_t y) {
+  x = find(x);
+  y = find(y);
+  if (x == y) return true;
+  if (batches[x].rows != batches[y].rows) return false;
+  if (y < x) std::swap(x, y);
+  batches[y].parent = x;
+  if (batches[x].id == 0 || (batches[y].id != 0 && batches[y].id < batches[x].id)) batches[x].id = batches[y].id;
+  return true;
+}
+
 Place Analysis::use_place(const NodeInfo& ni, size_t u) const {
   const BufInfo& b = bufs[ni.use_buf[u]];
   if (b.place.is_s()) {
     auto bd = analyze_view(ni.node->uses[u].ref.meta, b.layout);
-    return bd ? Place::S(bd->dim, bd->unit, bd->outer) : Place::R();
+    if (!bd) return Place::R();
+    Place p = Place::S(bd->dim, bd->unit, bd->outer);
+    p.batch = static_cast<int8_t>(find(b.place.batch));
+    return p;
   }
   if (b.place.is_p()) {
     // Partial only in the versions written by the loop; a finished value written after is R. A
     // partial finished by a division is only ever read finished.
     uint32_t v = ni.node->uses[u].ref.version;
-    return v >= b.p_first && v <= b.p_last && !b.p_finish ? b.place : Place::R();
+    const bool finished = !finished_reads.empty() && finished_reads.count(ni.node) > 0;
+    if (v < b.p_first || v > b.p_last || b.p_finish || finished) return Place::R();
+    Place p = b.place;
+    p.batch = static_cast<int8_t>(find(b.place.batch));
+    return p;
   }
   return b.place;
 }
@@ -383,10 +376,64 @@ bool Analysis::reads_partial(const NodeInfo& ni, size_t u) const {
   return b.place.is_p() && v >= b.p_first && v <= b.p_last;
 }
 
+namespace {
+
+// Operands (and demanded outputs) of several batches with equal rows: the op pairs their rows, so
+// they are one batch. The operands' places then name the merged batch.
+void merge_met_batches(Analysis& a, NodeInfo& ni, const std::vector<Place>& want) {
+  int32_t first = -1;
+  bool several = false;
+  auto see = [&](const Place& p) {
+    if (p.is_r()) return;
+    const int32_t c = a.find(p.batch);
+    if (first < 0) first = c;
+    several = several || c != first;
+  };
+  for (const Operand& o : ni.ops) see(o.place);
+  for (const Place& p : want) see(p);
+  if (!several) return;
+  for (const Operand& o : ni.ops) {
+    if (o.place.is_s()) a.unite(first, o.place.batch);
+  }
+  for (const Place& p : want) {
+    if (p.is_s()) a.unite(first, p.batch);
+  }
+  for (Operand& o : ni.ops) {
+    if (!o.place.is_r()) o.place.batch = static_cast<int8_t>(a.find(o.place.batch));
+  }
+}
+
+// The batch a node runs over: that of the operands it reads by rows or as partials (all one, or it
+// is a conflict), else of a demanded output. Every batch-sharded or partial output gets it.
+bool settle_batch(Analysis& a, NodeInfo& ni, const std::vector<Place>& want) {
+  int32_t batch = -1;
+  for (size_t k = 0; k < ni.ops.size(); ++k) {
+    const Place& p = ni.ops[k].place;
+    if (ni.rr.ins[k].mode == Mode::kWhole || p.is_r()) continue;
+    const int32_t c = a.find(p.batch);
+    if (batch >= 0 && c != batch) return false;
+    batch = c;
+  }
+  for (size_t j = 0; j < want.size() && batch < 0; ++j) {
+    if (want[j].is_s() && j < ni.rr.outs.size() && ni.rr.outs[j].is_s()) batch = a.find(want[j].batch);
+  }
+  for (size_t j = 0; j < ni.rr.outs.size() && batch < 0; ++j) {
+    if (!ni.rr.outs[j].is_r()) batch = a.find(ni.rr.outs[j].batch);
+  }
+  for (Place& o : ni.rr.outs) {
+    if (!o.is_r()) o.batch = static_cast<int8_t>(std::max(batch, 0));
+  }
+  ni.batch = batch;
+  return true;
+}
+
+} // namespace
+
 void evaluate(Analysis& a, int32_t i, const std::vector<Place>& want) {
   NodeInfo& ni = a.nodes[i];
   const Node& n = *ni.node;
   build_operands(a, ni);
+  merge_met_batches(a, ni, want);
   std::vector<Output> outs;
   for (const Def& d : n.defs) {
     Output o;
@@ -403,7 +450,14 @@ void evaluate(Analysis& a, int32_t i, const std::vector<Place>& want) {
   r.finalize.assign(outs.size(), Finalize{});
   r.post_div.assign(outs.size(), 0.0);
   r.discard.assign(outs.size(), false);
-  RuleCall call{n.op, n.args, ni.ops, outs, a.batch, want};
+  int64_t rows = 0;
+  for (const Operand& o : ni.ops) {
+    if (o.place.is_s() && rows == 0) rows = a.rows_of(o.place);
+  }
+  for (const Place& p : want) {
+    if (p.is_s() && rows == 0) rows = a.rows_of(p);
+  }
+  RuleCall call{n.op, n.args, ni.ops, outs, rows, want};
   const RuleEntry* e = placement_rule(n.op);
   const bool batched = any_batched(ni, want);
   bool ok = false;
@@ -415,6 +469,10 @@ void evaluate(Analysis& a, int32_t i, const std::vector<Place>& want) {
             "take that";
   } else if (e) {
     ok = e->fn(call, r);
+    if (ok && !settle_batch(a, ni, want)) {
+      ok = false;
+      r.why = "it pairs rows of two batches of different sizes";
+    }
   }
   ni.family = e ? e->family : "";
   ni.barrier = false;
@@ -422,80 +480,14 @@ void evaluate(Analysis& a, int32_t i, const std::vector<Place>& want) {
     const char* why = (e || forced != a.forced_barriers.end()) ? r.why : "no placement rule for this op";
     make_barrier(a, i, why);
     ni.barrier = batched;
+    ni.batch = -1;
   }
   ni.loop = false;
   if (!ni.barrier) {
     for (const OperandMode& m : r.ins) ni.loop = ni.loop || m.mode != Mode::kWhole;
     for (const Place& p : r.outs) ni.loop = ni.loop || !p.is_r();
   }
-}
-
-bool place_batch(Analysis& a, const std::vector<Node*>& nodes, const std::vector<int32_t>& runs,
-                 const std::vector<LazyBuffer*>& live, const std::vector<LazyBuffer*>& needed) {
-  for (Node* n : nodes) a.add_node(n);
-  for (int32_t i : runs) {
-    a.nodes[i].runs = true;
-    a.order.push_back(i);
-  }
-  for (LazyBuffer* b : live) a.bufs[a.buffer(b)].live = true;
-  for (LazyBuffer* b : needed) a.bufs[a.buffer(b)].needed = true;
-  std::vector<Candidate> all = candidates(a);
-  if (all.empty()) {
-    a.notes.push_back("no data leaf: nothing uploaded from the host (or marked with torch_lazymem.mark_batch) "
-                      "feeds this program, so it has no batch to split");
-    return false;
-  }
-  // Marks decide; otherwise leaves grouped by size, each group tried alone.
-  std::map<int64_t, std::vector<Candidate>> groups;
-  bool marked = false;
-  for (const Candidate& c : all) marked = marked || c.marked;
-  for (const Candidate& c : all) {
-    if (!marked || c.marked) groups[c.rows].push_back(c);
-  }
-  std::vector<int64_t> relevant;
-  const std::vector<int32_t> order = a.order;
-  const size_t program_nodes = a.nodes.size();
-  auto reset = [&] {
-    a.order = order;
-    a.owned.clear();
-    a.nodes.resize(program_nodes); // drop nodes synthesized by an earlier try
-  };
-  for (auto& [rows, seeds] : groups) {
-    if (groups.size() == 1) {
-      relevant.push_back(rows);
-      break;
-    }
-    a.batch = rows;
-    reset();
-    propagate(a, seeds);
-    if (loop_nodes(a) > 0) relevant.push_back(rows);
-  }
-  if (relevant.size() != 1) {
-    if (relevant.size() > 1) {
-      std::ostringstream os;
-      os << "data leaves disagree on the batch size (";
-      for (size_t k = 0; k < relevant.size(); ++k) os << (k ? ", " : "") << relevant[k];
-      os << " rows): not split; mark the batch with torch_lazymem.mark_batch(tensor, dim), or exclude a "
-            "tensor that is not data (a weight uploaded before requires_grad_(), a lookup table) with "
-            "mark_batch(tensor, None)";
-      a.notes.push_back(os.str());
-      stats().batch_conflicts.fetch_add(1, std::memory_order_relaxed);
-    } else {
-      a.notes.push_back("no op can be split along the data leaves' dim 0");
-    }
-    return false;
-  }
-  a.batch = relevant[0];
-  reset();
-  propagate(a, groups[a.batch]);
-  sink(a);
-  a.barriers = 0;
-  for (int32_t i : a.order) a.barriers += a.nodes[i].barrier;
-  if (loop_nodes(a) == 0) {
-    a.notes.push_back("every op that reads the batch runs whole (no placement rule splits them)");
-    return false;
-  }
-  return true;
+  if (!ni.loop) ni.batch = -1;
 }
 
 } // namespace lazymem

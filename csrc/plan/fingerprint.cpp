@@ -97,6 +97,8 @@ void fingerprint(const PlanInput& in, Fingerprint& fp) {
   fp.buffers.assign(bufs.begin(), bufs.end());
   fp.base.assign(tape->base.begin(), tape->base.end());
   const size_t nb = bufs.size();
+  thread_local std::vector<uint64_t> ids; // batch ids of facts, by first appearance
+  ids.clear();
   for (size_t c = 0; c < std::min<size_t>(nb, 8); ++c) __builtin_prefetch(&bufs[c]->nbytes);
   for (size_t c = 0; c < nb; ++c) {
     LazyBuffer* b = bufs[c];
@@ -116,10 +118,18 @@ void fingerprint(const PlanInput& in, Fingerprint& fp) {
       w.raw(b->real.nbytes());
       w.raw(static_cast<uint64_t>(static_cast<int64_t>(b->real_version) - static_cast<int64_t>(fp.base[c])));
     }
-    // A leaf uploaded by an earlier materialization whose data is still the upload (plan/batch.cpp).
-    if (b->upload_version != 0 && b->has_real() && b->real_version == b->upload_version) {
-      w.put_i(b->upload_rows);
-      w.put_i(b->upload_stride_bytes);
+    // A batch fact still valid (plan/solve.cpp): its layout, whether a hint, and its batch id
+    // numbered by first appearance (the ids themselves differ from step to step).
+    if (b->fact_version != 0 && b->has_real() && b->real_version == b->fact_version) {
+      uint64_t id = 0;
+      if (b->fact_batch != 0) {
+        auto at = std::find(ids.begin(), ids.end(), b->fact_batch);
+        id = static_cast<uint64_t>(at - ids.begin()) + 1;
+        if (at == ids.end()) ids.push_back(b->fact_batch);
+      }
+      w.put_i(b->fact_rows);
+      w.put_i(b->fact_row_bytes);
+      w.put((id << 1) | uint64_t{b->fact_hint});
     }
     if (b->batch_hint == LazyBuffer::BatchHint::kMarked) {
       w.put_i(b->mark_rows);

@@ -2,6 +2,7 @@
 #include "plan/planner.h"
 
 #include <algorithm>
+#include <atomic>
 #include <optional>
 #include <sstream>
 
@@ -90,7 +91,10 @@ Plan plan_anew(const PlanInput& in) {
   plan.predicted_peak = model.peak(plan, &at);
   if (config().debug >= 3) model.annotate(plan);
   const bool over = in.budget >= 0 && plan.predicted_peak > in.budget;
-  if (!over && in.force_chunks <= 0) return plan; // fits: exactly eager's kernels in program order
+  if (!over && in.force_chunks <= 0) { // fits: exactly eager's kernels in program order
+    note_unsplit_facts(in.nodes, s, in.needed, plan);
+    return plan;
+  }
   if (over && at && at->node) {
     plan.notes.push_back("does not fit unsplit: predicted peak " + format_bytes(plan.predicted_peak) + " at " +
                          at->node->describe() + " exceeds the budget of " + format_bytes(in.budget));
@@ -105,6 +109,11 @@ Plan plan_anew(const PlanInput& in) {
 }
 
 } // namespace
+
+uint64_t new_batch_id() {
+  static std::atomic<uint64_t> next{0};
+  return next.fetch_add(1, std::memory_order_relaxed) + 1;
+}
 
 void Stage::set_released(const std::vector<std::pair<size_t, LazyBuffer*>>& after) {
   std::vector<uint32_t> end(nodes.size() + 1, 0); // counts, then each node's begin
@@ -180,14 +189,27 @@ std::string node_line(const PlannedNode& pn) {
 void note_split(Plan& plan, const Analysis& a) {
   std::ostringstream os;
   int64_t loops = 0, chunks = 0;
+  std::vector<std::pair<int32_t, int64_t>> batches; // (batch, rows) in order of first loop
   for (const Stage& st : plan.stages) {
     if (!st.loop) continue;
     ++loops;
     chunks = std::max<int64_t>(chunks, st.chunks());
+    bool seen = false;
+    for (const auto& b : batches) seen = seen || b.first == st.batch_id;
+    if (!seen) batches.emplace_back(st.batch_id, st.batch);
   }
-  os << "split along a batch of " << a.batch << " rows: " << loops << (loops == 1 ? " pass" : " passes")
-     << ", up to " << chunks << " chunks";
+  if (batches.size() <= 1) {
+    os << "split along a batch of " << (batches.empty() ? a.batch : batches[0].second) << " rows: ";
+  } else {
+    os << "split along " << batches.size() << " batches (";
+    for (size_t k = 0; k < batches.size(); ++k) {
+      os << (k ? ", " : "") << "batch " << batches[k].first << ": " << batches[k].second << " rows";
+    }
+    os << "), each in its own loops: ";
+  }
+  os << loops << (loops == 1 ? " pass" : " passes") << ", up to " << chunks << " chunks";
   plan.notes.insert(plan.notes.begin(), os.str());
+  plan.notes.insert(plan.notes.begin() + 1, a.source_notes.begin(), a.source_notes.end());
   for (int32_t i : a.order) {
     const NodeInfo& ni = a.nodes[i];
     if (!ni.barrier) continue;
@@ -239,7 +261,9 @@ std::string Plan::to_string(bool nodes) const {
     if (!st.loop) {
       os << "  stage " << i << ": " << st.nodes.size() << " nodes run once\n";
     } else {
-      os << "  stage " << i << ": pass over " << st.batch << " rows in " << st.chunks() << " chunks of " << st.chunk
+      os << "  stage " << i << ": pass over " << st.batch << " rows";
+      if (st.batch_id != 0) os << " of batch " << st.batch_id;
+      os << " in " << st.chunks() << " chunks of " << st.chunk
          << ", " << st.nodes.size() << " nodes\n";
       // Chunk-local values: every one with `nodes`, else the largest and a total.
       std::vector<const Slot*> local, partial;

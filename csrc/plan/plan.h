@@ -119,7 +119,8 @@ struct Stage {
   bool loop = false;
   std::vector<PlannedNode> nodes;
   // Loop stages:
-  int64_t batch = 0;
+  int64_t batch = 0;      // the batch's rows
+  int32_t batch_id = 0;   // which batch (a plan may split several, each in its own loops)
   int64_t chunk = 0;      // rows per chunk (the last one may be smaller)
   std::vector<Slot> slots;
   std::vector<Accumulator> accs;
@@ -155,8 +156,23 @@ struct Expansion {
   double neutral = 0.0;
 };
 
+// What a plan tells later plans about a value it leaves batch-sharded (DESIGN.md §7): version
+// `version` of `buf` holds batch `batch` laid out as `layout`. The executor records it on the buffer
+// (LazyBuffer's batch fact) when the buffer holds that version after the plan ran, so a later plan
+// reads the value chunk by chunk instead of losing the batch.
+struct BatchFact {
+  LazyBuffer* buf = nullptr;
+  uint32_t version = 0;
+  RowLayout layout;
+  uint64_t batch = 0;
+};
+
+// A fresh global batch id (never 0).
+uint64_t new_batch_id();
+
 struct Plan {
   std::vector<Stage> stages;
+  std::vector<BatchFact> facts;            // batch facts of the values it leaves batch-sharded
   std::vector<Expansion> expansions;
   std::vector<LazyBuffer*> release_unused; // dead values no executed node touches
   std::vector<int32_t> retained;           // segment indices of nodes put back pending (not destroyed)

@@ -93,11 +93,16 @@ void visit(Plan& p, FB&& fb, FN&& fn, FV&& fv) {
     }
   }
   for (LazyBuffer*& b : p.release_unused) fb(b);
+  for (BatchFact& f : p.facts) {
+    fv(f.buf, f.version);
+    fb(f.buf);
+  }
 }
 
 Plan copy_body(const Plan& p) {
   Plan c;
   c.stages = p.stages;
+  c.facts = p.facts;
   c.expansions = p.expansions;
   c.release_unused = p.release_unused;
   c.retained = p.retained;

@@ -70,6 +70,7 @@ bool SplitBuilder::build() {
 
 bool SplitBuilder::refuse() {
   for (const std::string& n : a_.notes) plan_.notes.push_back("not split: " + n);
+  plan_.notes.insert(plan_.notes.end(), a_.source_notes.begin(), a_.source_notes.end());
   return false;
 }
 
@@ -375,14 +376,23 @@ std::unordered_map<const Node*, std::string> SplitBuilder::unsafe() {
 
 bool make_split_plan(const PlanInput& in, const Schedule& s, Plan& plan) {
   std::unordered_map<const Node*, std::string> forced;
+  std::unordered_set<const Node*> finished;
   const std::vector<std::string> notes = plan.notes;
-  for (int attempt = 0; attempt < 4; ++attempt) {
+  for (int attempt = 0, crossings = 0; attempt < 4; ++attempt) {
     plan = Plan{};
     plan.budget = in.budget;
     plan.resident = in.resident;
     plan.notes = notes;
-    SplitBuilder b(in, s, plan, forced);
-    if (!b.build()) return false;
+    SplitBuilder b(in, s, plan, forced, finished);
+    if (!b.build()) {
+      // A partial read past its loop: that reader takes it finished, and the plan is made again
+      // (a few rounds: each finishes more readers; they do not count as attempts).
+      size_t before = finished.size();
+      finished.insert(b.crossing().begin(), b.crossing().end());
+      if (finished.size() == before || ++crossings > 8) return false;
+      --attempt;
+      continue;
+    }
     auto bad = b.unsafe();
     if (bad.empty()) {
       plan.owned = b.take_owned();

@@ -25,9 +25,11 @@ inline uint64_t vkey(int32_t buf, uint32_t version) {
 class SplitBuilder {
  public:
   SplitBuilder(const PlanInput& in, const Schedule& s, Plan& plan,
-               const std::unordered_map<const Node*, std::string>& forced)
+               const std::unordered_map<const Node*, std::string>& forced,
+               const std::unordered_set<const Node*>& finished)
       : in_(in), s_(s), plan_(plan) {
     a_.forced_barriers = forced;
+    a_.finished_reads = finished;
   }
 
   // Fills the plan; false (with notes in the plan) when it cannot be split or no chunk size fits.
@@ -35,6 +37,11 @@ class SplitBuilder {
   // Nodes that cannot run split (plan/probe.h, and in-place writes to stored time-major rows): they
   // run whole in the next attempt.
   std::unordered_map<const Node*, std::string> unsafe();
+  // After build() failed: nodes that should read their partial operands finished (the next attempt
+  // may then split); empty when another attempt would fail the same way.
+  const std::vector<const Node*>& crossing() const {
+    return a_.crossing;
+  }
   std::vector<NodePtr> take_owned() {
     return std::move(a_.owned);
   }
@@ -110,6 +117,8 @@ class SplitBuilder {
   void emit_partials(Stage& st, LoopState& ls);
   // Releases after each value's last access, and dead values nothing here touches.
   void emit_releases();
+  // Batch facts of the batch-sharded values that survive the plan with real data.
+  void emit_facts();
   int32_t slot_of(Stage& st, LoopState& ls, int32_t b, Store store);
   // Binding of node i's use k (or, with `def`, its def k) in a loop.
   Bound bind(Stage& st, LoopState& ls, int32_t i, size_t k, bool def);

@@ -86,18 +86,19 @@ uint32_t SplitBuilder::rng_block(const NodeInfo& ni) const {
   if (ni.node->row_keyed) return ni.node->row_keyed->block;
   int64_t row = 0;
   bool reads_rows = false;
+  const int64_t batch = ni.batch >= 0 ? a_.batches[a_.find(ni.batch)].rows : 1;
   for (size_t k = 0; k < ni.ops.size(); ++k) {
     const OperandMode& m = ni.rr.ins[k];
     if (m.mode != Mode::kRows) continue;
     if (!ni.ops[k].write) reads_rows = true;
     int64_t numel = 1;
     for (int64_t sz : ni.ops[k].sizes) numel *= sz;
-    row = std::max(row, numel / std::max<int64_t>(a_.batch, 1));
+    row = std::max(row, numel / std::max<int64_t>(batch, 1));
   }
   for (size_t j = 0; j < ni.node->defs.size(); ++j) {
     if (!ni.rr.outs[j].is_s()) continue;
     reads_rows = true; // a functional random op reads its inputs' rows
-    row = std::max(row, ni.node->defs[j].ref.meta.numel() / std::max<int64_t>(a_.batch, 1));
+    row = std::max(row, ni.node->defs[j].ref.meta.numel() / std::max<int64_t>(batch, 1));
   }
   if (reads_rows || row <= 0) return 1;
   uint32_t g = 1;
@@ -148,13 +149,14 @@ void SplitBuilder::emit() {
   for (size_t b = 0; b < a_.bufs.size(); ++b) real_[b] = a_.bufs[b].resident;
   for (size_t s = 0; s < by_stage.size(); ++s) {
     if (by_stage[s].empty()) continue;
-    if (s % 2 == 1) {
+    if (stage_batch(a_, static_cast<int32_t>(s)) >= 0) {
       emit_loop(static_cast<int32_t>(s), by_stage[s]);
     } else {
       emit_whole(by_stage[s]);
     }
   }
   emit_releases();
+  emit_facts();
   for (const Expansion& e : a_.expansions) {
     if (e.index < static_cast<int32_t>(in_.nodes.size())) plan_.expansions.push_back(e);
   }
@@ -227,7 +229,8 @@ bool SplitBuilder::ensure(Stage& st, LoopState& ls, int32_t b, uint32_t version,
 void SplitBuilder::emit_loop(int32_t s, const std::vector<int32_t>& nodes) {
   Stage st;
   st.loop = true;
-  st.batch = a_.batch;
+  st.batch_id = a_.find(stage_batch(a_, s));
+  st.batch = a_.batches[st.batch_id].rows;
   LoopState ls;
   ls.si = plan_.stages.size();
   for (int32_t i : nodes) {
@@ -333,6 +336,24 @@ void SplitBuilder::emit_releases() {
     if (bi.resident && !bi.live && !pinned_[b] && !last_.count(static_cast<int32_t>(b))) {
       plan_.release_unused.push_back(bi.buf);
     }
+  }
+}
+
+} // namespace lazymem
+
+namespace lazymem {
+
+void SplitBuilder::emit_facts() {
+  plan_.facts.clear();
+  for (size_t b = 0; b < a_.program_bufs; ++b) {
+    const BufInfo& bi = a_.bufs[b];
+    if (!bi.place.is_s() || !((bi.live && !kept_[b]) || bi.needed)) continue;
+    if (!full_[b] && !bi.resident) continue;
+    const uint32_t version = exec_final_[b] > 0 ? exec_final_[b] : bi.buf->real_version;
+    if (version == 0) continue;
+    BatchClass& c = a_.batches[a_.find(bi.place.batch)];
+    if (c.id == 0) c.id = new_batch_id();
+    plan_.facts.push_back(BatchFact{bi.buf, version, bi.layout, c.id});
   }
 }
 

@@ -79,40 +79,69 @@ std::vector<Edge> edges(const Analysis& a) {
   return out;
 }
 
-int32_t parity_up(int32_t s, bool loop) {
-  return (s % 2 == 1) == loop ? s : s + 1;
+// Stages cycle through kinds: 0 whole, then one loop kind per batch (stage_kind in analysis.h).
+// The first stage at or after `s` (at or before) of kind `k`.
+int32_t kind_up(int32_t s, int32_t k, int32_t kinds) {
+  const int32_t d = ((k - s % kinds) % kinds + kinds) % kinds;
+  return s + d;
 }
 
-int32_t parity_down(int32_t s, bool loop) {
-  return (s % 2 == 1) == loop ? s : s - 1;
+int32_t kind_down(int32_t s, int32_t k, int32_t kinds) {
+  const int32_t d = (((s % kinds) - k) % kinds + kinds) % kinds;
+  return s - d;
 }
 
 } // namespace
 
+int32_t stage_kinds(const Analysis& a) {
+  return static_cast<int32_t>(a.loop_batches.size()) + 1;
+}
+
+int32_t stage_batch(const Analysis& a, int32_t stage) {
+  const int32_t k = stage % stage_kinds(a);
+  return k == 0 ? -1 : a.loop_batches[k - 1];
+}
+
 int32_t assign_stages(Analysis& a) {
+  // The batches loops run over, in order of first appearance: each a stage kind.
+  a.loop_batches.clear();
+  std::unordered_map<int32_t, int32_t> kind_of;
+  for (int32_t v : a.order) {
+    const NodeInfo& ni = a.nodes[v];
+    if (!ni.loop) continue;
+    const int32_t c = a.find(std::max(ni.batch, 0));
+    if (kind_of.emplace(c, static_cast<int32_t>(a.loop_batches.size()) + 1).second) a.loop_batches.push_back(c);
+  }
+  const int32_t kinds = stage_kinds(a);
+  auto kind = [&](int32_t v) {
+    const NodeInfo& ni = a.nodes[v];
+    return ni.loop ? kind_of.at(a.find(std::max(ni.batch, 0))) : 0;
+  };
+  auto parity_up = [&](int32_t s, int32_t v) { return kind_up(s, kind(v), kinds); };
+  auto parity_down = [&](int32_t s, int32_t v) { return kind_down(s, kind(v), kinds); };
   std::vector<Edge> es = edges(a);
   std::unordered_map<int32_t, std::vector<const Edge*>> in, out;
   for (const Edge& e : es) {
     in[e.to].push_back(&e);
     out[e.from].push_back(&e);
   }
+  // An edge with a gap needs `to` in a later stage than `from` (a finished value, a whole read of a
+  // loop's rows); without one, the same stage will do.
   std::unordered_map<int32_t, int32_t> asap;
   int32_t last = 0;
   for (int32_t v : a.order) {
-    const bool loop = a.nodes[v].loop;
-    int32_t s = loop ? 1 : 0;
-    for (const Edge* e : in[v]) s = std::max(s, asap[e->from] + e->gap);
-    s = parity_up(s, loop);
+    int32_t s = 0;
+    for (const Edge* e : in[v]) s = std::max(s, asap[e->from] + (e->gap > 0 ? 1 : 0));
+    s = parity_up(s, v);
     asap[v] = s;
     last = std::max(last, s);
   }
   std::unordered_map<int32_t, int32_t> alap;
   for (auto it = a.order.rbegin(); it != a.order.rend(); ++it) {
     const int32_t v = *it;
-    const bool loop = a.nodes[v].loop;
-    int32_t s = parity_down(last, loop);
-    for (const Edge* e : out[v]) s = std::min(s, alap[e->to] - e->gap);
-    alap[v] = std::max(parity_down(s, loop), asap[v]);
+    int32_t s = parity_down(last, v);
+    for (const Edge* e : out[v]) s = std::min(s, alap[e->to] - (e->gap > 0 ? 1 : 0));
+    alap[v] = std::max(parity_down(s, v), asap[v]);
   }
   auto partial_ok = [&](const std::unordered_map<int32_t, int32_t>& st) {
     for (const Edge& e : es) {
@@ -123,6 +152,11 @@ int32_t assign_stages(Analysis& a) {
   const std::unordered_map<int32_t, int32_t>* chosen = &alap;
   if (!partial_ok(alap)) chosen = &asap;
   if (!partial_ok(*chosen)) {
+    // The readers that dependence pushes past their partial's loop: read it finished instead.
+    a.crossing.clear();
+    for (const Edge& e : es) {
+      if (e.partial && chosen->at(e.from) != chosen->at(e.to)) a.crossing.push_back(a.nodes[e.to].node);
+    }
     a.notes.push_back("a partial value would have to cross a pass over the batch");
     return -1;
   }

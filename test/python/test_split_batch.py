@@ -1,8 +1,10 @@
-"""The batch is found by provenance, never by matching sizes (DESIGN.md §7): data leaves are tensors
-copied to lazymem that are neither module state nor values that require grad, their dim 0 the batch;
-torch_lazymem.mark_batch(t, dim) overrides and mark_batch(t, None) excludes. A batch size equal to the
-hidden size or the sequence length changes nothing. Leaves that disagree on the batch size, each
-driving batch-sharded work, do not split: counted and explained."""
+"""The batch is solved for, never matched by size (DESIGN.md §7): sources are tensors copied to
+lazymem that are neither module state nor values that require grad (dim 0 a hint), values an earlier
+plan stored with a batch fact, and tensors marked with torch_lazymem.mark_batch(t, dim) (a hard
+constraint; mark_batch(t, None) excludes). A batch size equal to the hidden size or the sequence
+length changes nothing. Sources of different sizes that each drive batch-sharded work are separate
+batches, each split in its own loops; a source whose batch would only conflict (class weights) ends
+unsharded, and explain() says so."""
 
 from __future__ import annotations
 
@@ -58,17 +60,17 @@ def test_mark_batch_along_another_dim():
     assert stats["splits"] == 1 and stats["barriers"] == 0 and "split along a batch of 10 rows" in text
 
 
-def test_leaves_that_disagree_on_the_batch_do_not_split():
+def test_sources_of_different_sizes_are_separate_batches():
     x, z = torch.randn(10, 4), torch.randn(6, 4)
     out, stats, text = split_run(lambda a, b: a.exp().sum() + b.exp().sum(), x.to("lazymem"), z.to("lazymem"))
     torch.testing.assert_close(out, x.exp().sum() + z.exp().sum())
-    assert stats["splits"] == 0 and stats["batch_conflicts"] == 1
-    assert "disagree on the batch size (6, 10 rows)" in text and "mark_batch" in text
-    # marking one of them as not data resolves it
+    assert stats["splits"] == 1 and stats["barriers"] == 0
+    assert "split along 2 batches" in text and "10 rows" in text and "6 rows" in text, text
+    # marking one of them as not data leaves one batch
     lz = z.to("lazymem")
     torch_lazymem.mark_batch(lz, None)
-    _, stats, _ = split_run(lambda a, b: a.exp().sum() + b.exp().sum(), x.to("lazymem"), lz)
-    assert stats["splits"] == 1
+    _, stats, text = split_run(lambda a, b: a.exp().sum() + b.exp().sum(), x.to("lazymem"), lz)
+    assert stats["splits"] == 1 and "split along a batch of 10 rows" in text
 
 
 def test_a_leaf_that_only_feeds_replicated_operands_does_not_conflict():
@@ -78,7 +80,7 @@ def test_a_leaf_that_only_feeds_replicated_operands_does_not_conflict():
     out, stats, _ = split_run(lambda a, b, c: F.cross_entropy(a, b, weight=c), x.to("lazymem"), t.to("lazymem"),
                               w.to("lazymem"))
     torch.testing.assert_close(out, F.cross_entropy(x, t, weight=w))
-    assert stats["splits"] == 1 and stats["batch_conflicts"] == 0
+    assert stats["splits"] == 1 and stats["barriers"] == 0
 
 
 def test_module_state_is_not_data():

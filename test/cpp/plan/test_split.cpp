@@ -69,14 +69,23 @@ TEST(SplitPlan, NothingSplitsWithoutADataLeaf) {
   EXPECT_NE(p.to_string().find("no data leaf"), std::string::npos);
 }
 
-TEST(SplitPlan, LeavesThatDisagreeOnTheBatchDoNotSplit) {
+TEST(SplitPlan, SourcesOfDifferentSizesAreTwoBatchesEachInItsOwnLoop) {
   ProgramBuilder b;
   T x = b.upload({10, 4}), z = b.upload({6, 4});
   T sx = b.op("aten::sum", "", {kNone, kNone}, {{0, x}}, {{}})[0];
   T sz = b.op("aten::sum", "", {kNone, kNone}, {{0, z}}, {{}})[0];
   Plan p = b.plan({sx, sz}, {sx, sz}, 3);
-  EXPECT_FALSE(p.split);
-  EXPECT_NE(p.to_string().find("disagree on the batch size (6, 10 rows)"), std::string::npos);
+  ASSERT_TRUE(p.split);
+  std::vector<int64_t> rows;
+  for (const Stage& st : p.stages) {
+    if (!st.loop) continue;
+    rows.push_back(st.batch);
+    EXPECT_EQ(st.chunks(), 3);
+    ASSERT_EQ(st.accs.size(), 1u); // each loop accumulates its own sum
+  }
+  std::sort(rows.begin(), rows.end());
+  EXPECT_EQ(rows, (std::vector<int64_t>{6, 10}));
+  EXPECT_NE(p.to_string().find("split along 2 batches"), std::string::npos) << p.to_string();
 }
 
 TEST(SplitPlan, AMeanOverTheBatchIsFinishedByTheGlobalCount) {

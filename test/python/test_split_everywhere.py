@@ -1,0 +1,305 @@
+"""Ordinary programs split (issue 20): the batch solved for, kept across syncs, and no common idiom
+that blocks a split. Each test is a program a user writes without thinking twice, run in float64:
+split (force_chunks 2, 3 and 8 over a batch that leaves a ragged last chunk) equal to eager, and
+under a simulated device at a fraction of eager's peak, eager out of memory while lazymem finishes
+within the capacity with eager's results."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch_lazymem
+from torch_lazymem.testing import force_chunks, memory_cap, simulated_device
+
+D = torch.float64
+
+
+def mlp(i: int, h: int, o: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(i, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, o)).double()
+
+
+def results(values) -> list[torch.Tensor]:
+    out = []
+    for v in values:
+        if isinstance(v, nn.Module):
+            out += [p.detach().cpu() for p in v.parameters()]
+            out += [b.cpu() for b in v.buffers()]
+        elif isinstance(v, torch.Tensor):
+            out.append(v.detach().cpu())
+        else:
+            out.append(torch.tensor(v, dtype=D))
+    return out
+
+
+def check_split(run, chunks=(2, 3, 8), expect_split=True) -> list[dict]:
+    """run(dev) -> values (tensors, modules, floats); lazymem split in `chunks` equals eager."""
+    torch.manual_seed(0)
+    expected = results(run("cpu"))
+    all_stats = []
+    for n in chunks:
+        torch.lazymem.synchronize()
+        torch_lazymem.reset_stats()
+        with force_chunks(n):
+            torch.manual_seed(0)
+            got = results(run("lazymem"))
+            torch.lazymem.synchronize()
+        stats = torch_lazymem.stats()
+        all_stats.append(stats)
+        for k, (g, e) in enumerate(zip(got, expected)):
+            torch.testing.assert_close(g, e, msg=lambda m, k=k, n=n: f"value {k} at {n} chunks: {m}")
+        if expect_split:
+            assert stats["splits"] >= 1, (n, torch_lazymem.explain(print_it=False))
+    return all_stats
+
+
+def check_capped(run, cap: int) -> tuple[dict, str]:
+    """Eager runs out of memory under `cap`; lazymem on a simulated device of `cap` finishes with
+    eager's results (uncapped), its measured peak within the capacity."""
+    with memory_cap(cap), pytest.raises(torch.OutOfMemoryError):
+        torch.manual_seed(0)
+        run("cpu")
+    torch.manual_seed(0)
+    expected = results(run("cpu"))
+    torch.lazymem.synchronize()
+    torch_lazymem.reset_stats()
+    with simulated_device(cap):
+        torch.lazymem.reset_peak_memory_stats()
+        torch.manual_seed(0)
+        got = results(run("lazymem"))
+        torch.lazymem.synchronize()
+        peak = torch.lazymem.max_memory_allocated()
+    stats, text = torch_lazymem.stats(), torch_lazymem.explain(print_it=False)
+    assert peak <= cap, (peak, cap, text)
+    assert stats["splits"] >= 1, text
+    for k, (g, e) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(g, e, msg=lambda m, k=k: f"value {k}: {m}")
+    return stats, text
+
+
+def sgd_step(models, loss_fn, lr=0.1):
+    params = [p for m in models for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=lr)
+    loss = loss_fn()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+MiB = 1 << 20
+
+# ---- 2. uploads that carry no batch ----
+
+
+def class_weights_program(B, C, hidden=32):
+    torch.manual_seed(1)
+    x, y, w = torch.randn(B, 16, dtype=D), torch.randint(0, C, (B,)), torch.rand(C, dtype=D) + 0.5
+    model = mlp(16, hidden, C)
+
+    def run(dev):
+        m = copy.deepcopy(model).to(dev)
+        loss = sgd_step([m], lambda: F.cross_entropy(m(x.to(dev)), y.to(dev), weight=w.to(dev)))
+        return [loss, m]
+    return run
+
+
+@pytest.mark.parametrize("C", [5, 10], ids=["5_classes", "as_many_classes_as_rows"])
+def test_class_weights_end_unsharded(C):
+    stats = check_split(class_weights_program(10, C))
+    assert all(s["barriers"] == 0 for s in stats)
+    text = torch_lazymem.explain(print_it=False)
+    assert "not a batch" in text, text
+
+
+def test_class_weights_under_a_cap():
+    _, text = check_capped(class_weights_program(1500, 10, hidden=256), 3 * MiB)
+    assert "not a batch" in text
+
+
+def weight_matrix_program(B, k, n):
+    torch.manual_seed(2)
+    x, w = torch.randn(B, k, dtype=D), torch.randn(k, n, dtype=D)
+
+    def run(dev):
+        r = (x.to(dev) @ w.to(dev)).tanh()
+        return [r.sum(), r[:3]]
+    return run
+
+
+def test_inference_with_an_uploaded_weight_matrix():
+    check_split(weight_matrix_program(10, 12, 7))
+    text = torch_lazymem.explain(print_it=False)
+    assert "not a batch" in text and "barrier" not in text, text
+
+
+def test_inference_whose_result_is_larger_than_the_device():
+    check_capped(weight_matrix_program(3000, 128, 512), 4 * MiB)
+
+
+def protonet_program(S, Q, ways=5, hidden=32):
+    torch.manual_seed(3)
+    support, query = torch.randn(S, 16, dtype=D), torch.randn(Q, 16, dtype=D)
+    yq = torch.randint(0, ways, (Q,))
+    model = mlp(16, hidden, 16)
+
+    def run(dev):
+        m = copy.deepcopy(model).to(dev)
+
+        def loss_fn():
+            zs, zq = m(support.to(dev)), m(query.to(dev))
+            protos = zs.view(S // ways, ways, -1).mean(0)  # support rows are class-major: row i is class i % ways
+            logits = -((zq[:, None, :] - protos[None]) ** 2).sum(-1)
+            return F.cross_entropy(logits, yq.to(dev))
+        return [sgd_step([m], loss_fn), m]
+    return run
+
+
+def test_prototypical_network_support_set_ends_unsharded():
+    check_split(protonet_program(10, 12))
+
+
+def test_prototypical_network_under_a_cap():
+    check_capped(protonet_program(50, 3000, hidden=256), 5 * MiB)
+
+
+def multitask_program(B1, B2, hidden=32):
+    torch.manual_seed(4)
+    x1, y1 = torch.randn(B1, 16, dtype=D), torch.randint(0, 4, (B1,))
+    x2, y2 = torch.randn(B2, 16, dtype=D), torch.randn(B2, 1, dtype=D)
+    trunk, h1, h2 = mlp(16, hidden, 16), nn.Linear(16, 4).double(), nn.Linear(16, 1).double()
+
+    def run(dev):
+        t, a, b = (copy.deepcopy(m).to(dev) for m in (trunk, h1, h2))
+        loss = sgd_step([t, a, b], lambda: F.cross_entropy(a(t(x1.to(dev))), y1.to(dev)) +
+                        F.mse_loss(b(t(x2.to(dev))), y2.to(dev)))
+        return [loss, t, a, b]
+    return run
+
+
+def test_multitask_step_splits_each_batch_in_its_own_loop():
+    check_split(multitask_program(10, 7))
+    text = torch_lazymem.explain(print_it=False)
+    assert "split along 2 batches" in text, text
+
+
+def test_multitask_step_under_a_cap():
+    _, text = check_capped(multitask_program(3000, 1000, hidden=256), 5 * MiB)
+    assert "split along 2 batches" in text, text
+
+
+# ---- 3. sequence-first layouts ----
+
+
+def seq_first_transformer_program(T, B, d=16):
+    torch.manual_seed(5)
+    x, y = torch.randn(T, B, d, dtype=D), torch.randn(B, d, dtype=D)
+    layer = nn.TransformerEncoderLayer(d, 2, 32, dropout=0.0).double()  # batch_first=False: (T, B, d)
+
+    def run(dev):
+        m = copy.deepcopy(layer).to(dev)
+        loss = sgd_step([m], lambda: F.mse_loss(m(x.to(dev)).mean(0), y.to(dev)))
+        return [loss, m]
+    return run
+
+
+@pytest.mark.parametrize("T,B", [(6, 10), (10, 10)], ids=["T6_B10", "T_equals_B"])
+def test_sequence_first_transformer_splits_along_dim_1(T, B):
+    stats = check_split(seq_first_transformer_program(T, B))
+    assert all(s["barriers"] == 0 for s in stats)
+    text = torch_lazymem.explain(print_it=False)
+    assert "on dim 1" in text, text
+
+
+def test_sequence_first_transformer_under_a_cap():
+    check_capped(seq_first_transformer_program(16, 256, d=32), 4 * MiB)
+
+
+def lstm_program(T, B, hidden=8):
+    torch.manual_seed(6)
+    x, y = torch.randn(T, B, 4, dtype=D), torch.randint(0, 3, (B,))
+    rnn, head = nn.LSTM(4, hidden).double(), nn.Linear(hidden, 3).double()
+
+    def run(dev):
+        r, h = copy.deepcopy(rnn).to(dev), copy.deepcopy(head).to(dev)
+        loss = sgd_step([r, h], lambda: F.cross_entropy(h(r(x.to(dev))[0][-1]), y.to(dev)))
+        return [loss, r, h]
+    return run
+
+
+@pytest.mark.parametrize("T,B", [(5, 10), (10, 10)], ids=["T5_B10", "T_equals_B"])
+def test_lstm_sequence_first_splits_along_dim_1(T, B):
+    check_split(lstm_program(T, B))
+    text = torch_lazymem.explain(print_it=False)
+    assert "on dim 1" in text, text
+
+
+def test_lstm_under_a_cap():
+    check_capped(lstm_program(20, 512, hidden=64), 6 * MiB)
+
+
+# ---- 4. idioms between backward and step ----
+
+
+def clip_program(B, hidden=32, clip="norm"):
+    torch.manual_seed(7)
+    x, y = torch.randn(B, 16, dtype=D), torch.randint(0, 4, (B,))
+    model = mlp(16, hidden, 4)
+
+    def run(dev):
+        m = copy.deepcopy(model).to(dev)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        out = []
+        for step in range(2):
+            loss = F.cross_entropy(m(x.to(dev)), y.to(dev))
+            loss.backward()
+            if clip == "norm":
+                out.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5))
+            elif clip == "value":
+                torch.nn.utils.clip_grad_value_(m.parameters(), 0.01)
+            elif clip == "logged":
+                out.append(torch.stack([p.grad.norm() for p in m.parameters()]).norm().item())
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out + [m]
+    return run
+
+
+@pytest.mark.parametrize("clip", ["norm", "value", "logged"])
+def test_gradient_clipping_runs_in_the_epilogue(clip):
+    stats = check_split(clip_program(10, clip=clip))
+    assert all(s["barriers"] == 0 for s in stats)
+
+
+def test_clip_grad_norm_under_a_cap():
+    check_capped(clip_program(1500, hidden=256), 4 * MiB)
+
+
+def grad_scaler_program(B):
+    torch.manual_seed(8)
+    x, y = torch.randn(B, 16, dtype=D), torch.randint(0, 4, (B,))
+    model = mlp(16, 32, 4)
+
+    def run(dev):
+        m = copy.deepcopy(model).to(dev)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler(dev, init_scale=1024.0)
+        loss = F.cross_entropy(m(x.to(dev)), y.to(dev))
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        return [loss.item(), m]
+    return run
+
+
+def test_grad_scaler_unscale_runs_in_the_epilogue():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check_split(grad_scaler_program(10))
