@@ -63,6 +63,9 @@ OpRules compute(const c10::OperatorHandle& op) {
       forced_eager().count(name) > 0;
   r.eager_if_mask_index = name == "aten::index" || name == "aten::index_put_" ||
       name == "aten::index_put" || name == "aten::_index_put_impl_" || name == "aten::_unsafe_index_put";
+  // (index.Tensor is tagged dynamic_output_shape for its boolean masks; with long indices its shape
+  // is the indices': recorded, and eager only when a mask is among them.)
+  if (r.eager_if_mask_index && !forced_eager().count(name)) r.eager = false;
   r.noop = noop_ops().count(name) > 0;
   if (name == "lazymem::ragged_sink") r.state_arg = 3;
   r.random = op.hasTag(at::Tag::nondeterministic_seeded);

@@ -45,10 +45,6 @@ std::optional<Place> broadcast(const RuleCall& c, RuleResult& r, c10::IntArrayRe
 // False on conflict.
 bool align(const RuleCall& c, RuleResult& r, size_t i, int64_t out_ndim, int64_t out_dim, int64_t out_size,
            const Place& p);
-inline bool align(const RuleCall& c, RuleResult& r, size_t i, int64_t out_ndim, int64_t out_dim, int64_t out_size,
-                  int64_t unit) {
-  return align(c, r, i, out_ndim, out_dim, out_size, Place::S(out_dim, unit));
-}
 
 // Binds the operands at arguments `args` (inputs, targets, saved statistics of a per-sample op) to
 // the batch found among them: all must carry it along the same dim, before dim `limit`, with the

@@ -41,7 +41,7 @@ bool attention_common(const RuleCall& c, RuleResult& r, std::initializer_list<in
     r.ins[i] = OperandMode::rows(0, p->unit);
   }
   const int64_t m = c.operand_index(mask_arg);
-  if (m >= 0 && kind == MaskKind::kBroadcast4 && !align(c, r, static_cast<size_t>(m), 4, 0, rows, p->unit)) {
+  if (m >= 0 && kind == MaskKind::kBroadcast4 && !align(c, r, static_cast<size_t>(m), 4, 0, rows, p->at(0))) {
     return false;
   }
   if (m >= 0 && kind == MaskKind::kDim0 && per_sample_mask) {
@@ -58,7 +58,7 @@ bool attention_common(const RuleCall& c, RuleResult& r, std::initializer_list<in
   for (size_t j = 0; j < c.outs.size(); ++j) {
     if (c.outs[j].dim() == 1 && c.outs[j].sizes[0] == 0) continue; // an empty placeholder (no weights)
     if (c.outs[j].dim() == 0 || c.outs[j].sizes[0] != rows) return fail(r, "an output without the batch");
-    r.outs[j] = Place::S(0, p->unit);
+    r.outs[j] = p->at(0);
   }
   return true;
 }

@@ -53,9 +53,13 @@ bool index_select(const RuleCall& c, RuleResult& r) {
   const int64_t dim = wrap_dim(c.int_arg(1), c.ins[s].dim());
   for (auto& m : r.ins) m = OperandMode::whole();
   if (ix >= 0 && c.ins[ix].place.is_s()) {
-    if (c.ins[s].place.is_s()) return fail(r, "indexes a batched tensor with batched indices");
+    // Batched indices into self along `dim`: self is read whole (a gather along the batch when self
+    // carries it there: stored by an earlier pass); the output follows the indices' rows.
+    if (c.ins[s].place.is_s() && c.ins[s].place.dim != dim) {
+      return fail(r, "indexes a tensor batched along another dim with batched indices");
+    }
     r.ins[ix] = OperandMode::rows(0, c.ins[ix].place.unit);
-    r.outs[0] = Place::S(dim, c.ins[ix].place.unit);
+    r.outs[0] = c.ins[ix].place.at(dim);
     return true;
   }
   const Operand& self = c.ins[s];
@@ -79,8 +83,10 @@ bool gather(const RuleCall& c, RuleResult& r) {
   if (idx.place.is_s() && self.place.is_s() && idx.place != self.place) return fail(r, "operands disagree");
   for (auto& m : r.ins) m = OperandMode::whole();
   if (p.dim == dim) {
-    // Batched indices along `dim` into a replicated self: each output row reads anywhere in self.
-    if (self.place.is_s()) return fail(r, "gathers along the batch");
+    // Batched indices along `dim`: each output row reads anywhere in self, which is read whole (a
+    // gather along the batch when self carries it there: stored by an earlier pass).
+    if (!idx.place.is_s()) return fail(r, "gathers along the batch with indices that do not carry it");
+    if (self.place.is_s() && self.place.dim != dim) return fail(r, "operands carry the batch along different dims");
     r.ins[ix] = OperandMode::rows(p.dim, p.unit);
     r.outs[0] = p;
     return true;
@@ -185,9 +191,17 @@ bool advanced_index(const RuleCall& c, RuleResult& r) {
   int64_t s = c.operand_index(0);
   const Operand& self = c.ins[s];
   for (auto& m : r.ins) m = OperandMode::whole();
-  if (self.place.is_s()) {
+  bool batched_indices = false;
+  for (int64_t i : ix.idx_ops) batched_indices = batched_indices || c.ins[i].place.is_s();
+  const bool along = self.place.is_s() &&
+      std::find(ix.indexed.begin(), ix.indexed.end(), self.place.dim) != ix.indexed.end();
+  // A gather along the batch with batched indices (mixup's x[perm]): any output row may read any
+  // row of self, so self is read whole — stored by an earlier pass — and the output follows the
+  // indices' rows (below).
+  if (along && batched_indices && !put) {
+  } else if (self.place.is_s()) {
     const int64_t d = self.place.dim;
-    if (std::find(ix.indexed.begin(), ix.indexed.end(), d) != ix.indexed.end()) return fail(r, "indexes along the batch");
+    if (along) return fail(r, "indexes along the batch");
     for (int64_t i : ix.idx_ops) {
       if (c.ins[i].place.is_s()) return fail(r, "indexes a batched tensor with batched indices");
     }
@@ -197,10 +211,10 @@ bool advanced_index(const RuleCall& c, RuleResult& r) {
       // values broadcast against the indexing result self[indices]
       int64_t v = c.operand_index(2);
       int64_t result_rank = self.dim() - static_cast<int64_t>(ix.indexed.size()) + ix.result_rank;
-      if (v >= 0 && !align(c, r, static_cast<size_t>(v), result_rank, od, self.sizes[d], self.place.unit)) return false;
+      if (v >= 0 && !align(c, r, static_cast<size_t>(v), result_rank, od, self.sizes[d], self.place.at(od))) return false;
       for (auto& o : r.outs) o = self.place;
     } else {
-      for (auto& o : r.outs) o = Place::S(od, self.place.unit);
+      for (auto& o : r.outs) o = self.place.at(od);
     }
     return true;
   }
@@ -211,7 +225,7 @@ bool advanced_index(const RuleCall& c, RuleResult& r) {
     const Operand& o = c.ins[i];
     if (!o.place.is_s()) continue;
     int64_t rd = o.place.dim + (ix.result_rank - o.dim());
-    Place q = Place::S(rd, o.place.unit);
+    Place q = o.place.at(rd);
     if (p && *p != q) return fail(r, "index tensors disagree on the batch");
     p = q;
   }
@@ -221,10 +235,10 @@ bool advanced_index(const RuleCall& c, RuleResult& r) {
     if (c.ins[i].place.is_s()) rows = c.ins[i].sizes[c.ins[i].place.dim];
   }
   for (int64_t i : ix.idx_ops) {
-    if (!align(c, r, static_cast<size_t>(i), ix.result_rank, p->dim, rows, p->unit)) return false;
+    if (!align(c, r, static_cast<size_t>(i), ix.result_rank, p->dim, rows, *p)) return false;
   }
   const int64_t first = ix.adjacent ? ix.indexed.front() : 0;
-  for (auto& o : r.outs) o = Place::S(first + p->dim, p->unit);
+  for (auto& o : r.outs) o = p->at(first + p->dim);
   return true;
 }
 

@@ -19,7 +19,7 @@ bool select_backward(const RuleCall& c, RuleResult& r) {
   const int64_t dim = wrap_dim(c.int_arg(2), rank);
   const int64_t od = g.place.dim < dim ? g.place.dim : g.place.dim + 1;
   r.ins[0] = OperandMode::rows(g.place.dim, g.place.unit);
-  r.outs[0] = Place::S(od, g.place.unit);
+  r.outs[0] = g.place.at(od);
   r.rewrites.push_back(ArgRewrite{1, static_cast<int32_t>(od), ArgRewrite::kRows, 0, g.place.unit});
   return true;
 }
@@ -54,7 +54,7 @@ bool scatter_into_slice(const RuleCall& c, RuleResult& r) {
     if (!o.place.is_s()) continue;
     int64_t d = o.place.dim;
     if (select && o.arg == 1 && d >= dim) ++d; // src lacks `dim`
-    Place q = Place::S(d, o.place.unit);
+    Place q = o.place.at(d);
     if (p && *p != q) return fail(r, "operands disagree on the batch");
     p = q;
   }
@@ -79,7 +79,7 @@ bool repeat(const RuleCall& c, RuleResult& r) {
   const int64_t od = self.place.dim + static_cast<int64_t>(reps.size()) - self.dim();
   if (od < 0 || reps[od] != 1) return fail(r, "tiles along the batch");
   r.ins[0] = OperandMode::rows(self.place.dim, self.place.unit);
-  r.outs[0] = Place::S(od, self.place.unit);
+  r.outs[0] = self.place.at(od);
   return true;
 }
 

@@ -27,10 +27,11 @@ struct BatchClass {
 
 // A value entering the plan from outside it that may carry a batch (DESIGN.md §7): an upload (still
 // pending or run by an earlier materialization), a value an earlier plan stored with a batch fact,
-// or a buffer marked with torch_lazymem.mark_batch. The solver gives it one of its options — a row
-// layout, i.e. which dim is the batch — or none.
+// a buffer marked with torch_lazymem.mark_batch, or a factory whose sizes may carry a batch (arange
+// made on the device). The solver gives it one of its options — a row layout, i.e. which dim is the
+// batch — or none.
 struct Source {
-  enum Kind : uint8_t { kUpload, kStored, kMarked };
+  enum Kind : uint8_t { kUpload, kStored, kMarked, kFactory };
   int32_t buf = -1;
   Kind kind = kUpload;
   std::vector<int8_t> dims;       // per option: the view dim it makes the batch (-1: a stored layout)

@@ -78,6 +78,25 @@ std::vector<Source> collect_sources(Analysis& a) {
     seen[b] = 1;
     out.push_back(std::move(s));
   }
+  // Factories whose sizes may carry a batch: arange(B) made on the device (transformers' masks index
+  // `padding_mask[batch_idx, kv_idx]` with batch_idx = arange(B)). Not a batch unless that helps.
+  for (int32_t i : a.order) {
+    const Node& n = *a.nodes[i].node;
+    if (n.uses.size() != 1 || !n.uses[0].full_overwrite() || n.op.schema().name() != "aten::arange" ||
+        n.op.schema().overload_name() != "start_out") {
+      continue;
+    }
+    const int32_t b = a.nodes[i].use_buf[0];
+    if (seen[b] || a.bufs[b].buf->batch_hint != LazyBuffer::BatchHint::kAuto) continue;
+    Source s;
+    s.buf = b;
+    s.kind = Source::kFactory;
+    add_dims(s, n.uses[0].ref.meta, a.bufs[b].buf->nbytes.load());
+    s.hint = -1;
+    if (s.layouts.empty()) continue;
+    seen[b] = 1;
+    out.push_back(std::move(s));
+  }
   for (size_t b = 0; b < a.program_bufs; ++b) {
     LazyBuffer* buf = a.bufs[b].buf;
     if (seen[b] || buf->batch_hint != LazyBuffer::BatchHint::kAuto || !valid_fact(*buf)) continue;
@@ -149,7 +168,10 @@ std::string describe_source(const Analysis& a, const Source& s) {
   std::ostringstream os;
   const LazyBuffer* b = a.bufs[s.buf].buf;
   os << "b" << b->id << " (" << format_bytes(nbytes(b)) << ", "
-     << (s.kind == Source::kMarked ? "marked" : s.kind == Source::kStored ? "stored by an earlier plan" : "upload")
+     << (s.kind == Source::kMarked   ? "marked"
+         : s.kind == Source::kStored ? "stored by an earlier plan"
+         : s.kind == Source::kFactory ? "made on the device"
+                                      : "upload")
      << ")";
   return os.str();
 }
@@ -164,7 +186,13 @@ bool place_batch(Analysis& a, const std::vector<Node*>& nodes, const std::vector
     a.order.push_back(i);
   }
   for (LazyBuffer* b : live) a.bufs[a.buffer(b)].live = true;
-  for (LazyBuffer* b : needed) a.bufs[a.buffer(b)].needed = true;
+  // What the sync point reads survives the plan, whether or not the segment touches it (an eager op
+  // that reads a stored value nothing pending writes): nothing may release it.
+  for (LazyBuffer* b : needed) {
+    BufInfo& bi = a.bufs[a.buffer(b)];
+    bi.needed = true;
+    bi.live = true;
+  }
   a.program_bufs = a.bufs.size();
   a.sources = collect_sources(a);
   if (a.sources.empty()) {
@@ -213,9 +241,15 @@ bool place_batch(Analysis& a, const std::vector<Node*>& nodes, const std::vector
           const Score sc = run();
           ++evaluations;
           if (config().debug >= 2) {
-            std::fprintf(stderr, "[lazymem] batch solver: b%llu option %d: held %lld, %zu barriers, %zu batches\n",
+            std::string first;
+            for (int32_t i : a.order) {
+              if (!a.nodes[i].barrier || !first.empty()) continue;
+              first = a.nodes[i].node->describe() + ": " + (a.nodes[i].rr.why ? a.nodes[i].rr.why : "");
+            }
+            std::fprintf(stderr, "[lazymem] batch solver: b%llu option %d: held %lld, %zu barriers%s%s, %zu batches\n",
                          static_cast<unsigned long long>(a.bufs[s.buf].buf->id), opt, static_cast<long long>(sc.held),
-                         sc.barriers, sc.batches);
+                         sc.barriers, first.empty() ? "" : " (first: ", first.empty() ? "" : (first + ")").c_str(),
+                         sc.batches);
           }
           last_is_best = sc < best;
           if (last_is_best) {
