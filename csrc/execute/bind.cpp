@@ -80,9 +80,20 @@ at::Tensor storage_view(const c10::Storage& storage, const TensorMeta& meta, boo
 }
 
 void Binder::begin_chunk(int64_t start, int64_t rows) {
-  start_ = start;
-  rows_ = rows;
+  c0_ = start;
+  c1_ = start + rows;
+  node_start_ = start;
+  node_rows_ = rows;
+  node_total_ = stage_.batch;
   for (auto& s : local_) s = c10::Storage();
+}
+
+bool Binder::begin_node(const PlannedNode& pn) {
+  const auto [first, count] = rows_of(pn.rows);
+  node_start_ = first;
+  node_rows_ = count;
+  node_total_ = pn.rows.identity() ? stage_.batch : pn.rows.n;
+  return count > 0 || !pn.row_node;
 }
 
 void Binder::end_chunk() {
@@ -93,7 +104,11 @@ c10::Storage& Binder::slot_storage(int32_t slot) {
   c10::Storage& s = local_[slot];
   if (!s) {
     const Slot& sl = stage_.slots[slot];
-    int64_t bytes = sl.store == Store::kLocal ? sl.layout.bytes(rows_) : sl.bytes;
+    int64_t bytes = sl.bytes;
+    if (sl.store == Store::kLocal) {
+      const auto [first, last] = local_rows(sl.layout, c0_, c1_);
+      bytes = sl.layout.bytes(last - first);
+    }
     s = allocate_real(static_cast<size_t>(bytes));
   }
   return s;
@@ -101,7 +116,12 @@ c10::Storage& Binder::slot_storage(int32_t slot) {
 
 at::Tensor Binder::slot_view(int32_t slot, const TensorMeta& meta, bool partial) {
   const Slot& sl = stage_.slots[slot];
-  TensorMeta m = partial ? meta : localize(meta, sl.layout, rows_);
+  if (partial && !local_[slot]) {
+    // A partial read before anything wrote it in this chunk (its writers hold no rows here, as when
+    // two backward calls over halves of the batch accumulate into one gradient): a sum's zero.
+    storage_view(slot_storage(slot), TensorMeta::contiguous({sl.bytes}, c10::kByte)).zero_();
+  }
+  TensorMeta m = partial ? meta : localize(meta, sl.layout, c0_, c1_);
   return storage_view(slot_storage(slot), m);
 }
 
@@ -123,20 +143,22 @@ at::Tensor Binder::use(const PlannedNode& pn, size_t i) {
       return slot_view(bd->slot, u.ref.meta, false);
     case Bind::kPartial:
       return slot_view(bd->slot, u.ref.meta, true);
-    case Bind::kNarrow:
+    case Bind::kNarrow: {
       LAZYMEM_INTERNAL_ASSERT(b.has_real(), pn.node->describe(), " reads rows of b", b.id, " which has no storage");
       if (bd->outer != 1) {
         // Rows of every block of a time-major flatten: gathered into a copy of the chunk's shape.
         LAZYMEM_INTERNAL_ASSERT(!u.write, pn.node->describe(), " writes rows of a time-major flatten in place");
-        const TensorMeta g = gathered_rows(u.ref.meta, bd->dim, bd->unit, bd->outer, rows_);
-        return real_view(b, narrow_rows_blocks(u.ref.meta, bd->dim, bd->unit, bd->outer, start_, rows_))
+        const TensorMeta g = gathered_rows(u.ref.meta, bd->dim, bd->unit, bd->outer, c1_ - c0_);
+        return real_view(b, narrow_rows_blocks(u.ref.meta, bd->dim, bd->unit, bd->outer, c0_, c1_ - c0_))
             .reshape(g.sizes);
       }
+      const auto [first, count] = rows_of(bd->map);
       if (b.real_on_host && !backing_device().is_cpu()) {
         // A value stored in host memory because it did not fit the device: its rows are brought over.
-        return real_view(b, narrow_rows(u.ref.meta, bd->dim, bd->unit, start_, rows_)).to(backing_device());
+        return real_view(b, narrow_rows(u.ref.meta, bd->dim, bd->unit, first, count)).to(backing_device());
       }
-      return real_view(b, narrow_rows(u.ref.meta, bd->dim, bd->unit, start_, rows_));
+      return real_view(b, narrow_rows(u.ref.meta, bd->dim, bd->unit, first, count));
+    }
     default:
       break;
   }
@@ -147,7 +169,7 @@ at::Tensor Binder::use(const PlannedNode& pn, size_t i) {
 c10::IValue Binder::constant(const PlannedNode& pn, const ConstNarrow& c) const {
   const c10::IValue& v = c.elem < 0 ? pn.node->args[c.arg] : pn.node->args[c.arg].toList().get(c.elem);
   const at::Tensor& t = v.toTensor();
-  return c10::IValue(t.narrow(c.dim, start_ * c.unit, rows_ * c.unit));
+  return c10::IValue(t.narrow(c.dim, node_start_ * c.unit, node_rows_ * c.unit));
 }
 
 TensorMeta Binder::def_meta(const PlannedNode& pn, size_t i) const {
@@ -156,10 +178,12 @@ TensorMeta Binder::def_meta(const PlannedNode& pn, size_t i) const {
   if (!bd) return d.ref.meta;
   switch (bd->bind) {
     case Bind::kLocal:
-      return localize(d.ref.meta, stage_.slots[bd->slot].layout, rows_);
-    case Bind::kNarrow:
-      if (bd->outer != 1) return gathered_rows(d.ref.meta, bd->dim, bd->unit, bd->outer, rows_);
-      return narrow_rows(d.ref.meta, bd->dim, bd->unit, start_, rows_);
+      return localize(d.ref.meta, stage_.slots[bd->slot].layout, c0_, c1_);
+    case Bind::kNarrow: {
+      if (bd->outer != 1) return gathered_rows(d.ref.meta, bd->dim, bd->unit, bd->outer, c1_ - c0_);
+      const auto [first, count] = rows_of(bd->map);
+      return narrow_rows(d.ref.meta, bd->dim, bd->unit, first, count);
+    }
     default:
       return d.ref.meta;
   }
@@ -205,7 +229,7 @@ void Binder::def(const PlannedNode& pn, size_t i, const at::Tensor& r, Taken& ta
       return;
     }
     if (bd->outer != 1) { // scattered into every block of a time-major flatten
-      const TensorMeta e = narrow_rows_blocks(d.ref.meta, bd->dim, bd->unit, bd->outer, start_, rows_);
+      const TensorMeta e = narrow_rows_blocks(d.ref.meta, bd->dim, bd->unit, bd->outer, c0_, c1_ - c0_);
       real_view(b, e).copy_(r.reshape(e.sizes));
       return;
     }
@@ -214,7 +238,12 @@ void Binder::def(const PlannedNode& pn, size_t i, const at::Tensor& r, Taken& ta
   }
   // kLocal / kPartial: the slot's storage.
   const Slot& sl = stage_.slots[bd->slot];
-  const size_t need = static_cast<size_t>(sl.store == Store::kLocal ? sl.layout.bytes(rows_) : sl.bytes);
+  int64_t local = sl.bytes;
+  if (sl.store == Store::kLocal) {
+    const auto [first, last] = local_rows(sl.layout, c0_, c1_);
+    local = sl.layout.bytes(last - first);
+  }
+  const size_t need = static_cast<size_t>(local);
   c10::Storage& s = local_[bd->slot];
   if (!s && adoptable(r, m, need, taken)) {
     s = r.storage();
@@ -283,8 +312,9 @@ void Binder::accumulate(int32_t slot) {
     case Reduce::kMoments: {
       // (biased variance, mean) of the rows before this chunk merged with this chunk's (Chan et al.):
       // mean += d * nb / n, var = var * na / n + var_b * nb / n + d^2 * na * nb / n^2, d = mean_b - mean.
-      const double na = static_cast<double>(start_) * static_cast<double>(a.per_row);
-      const double nb = static_cast<double>(rows_) * static_cast<double>(a.per_row);
+      // (Chunks run in order: the rows before this chunk's are the node's rows [0, start).)
+      const double na = static_cast<double>(node_start_) * static_cast<double>(a.per_row);
+      const double nb = static_cast<double>(node_rows_) * static_cast<double>(a.per_row);
       const double n = na + nb;
       at::Tensor var = acc.select(0, 0), mean = acc.select(0, 1);
       // Computed aside, then copied (copies allocate nothing): an allocation failure leaves the

@@ -16,13 +16,18 @@ class Binder {
  public:
   explicit Binder(const Stage& stage) : stage_(stage), local_(stage.slots.size()) {}
 
-  // Loop stages: the chunk [start, start + rows) begins; every chunk-local storage is empty.
+  // Loop stages: the chunk of batch rows [start, start + rows) begins; every chunk-local storage is
+  // empty.
   void begin_chunk(int64_t start, int64_t rows);
+  // Loop stages: `pn` runs next. Its rows in this chunk (PlannedNode::rows) are what chunk_start() and
+  // chunk_rows() say, and what rewritten arguments, host constants and random draws follow. False
+  // when the chunk holds none of them: the node does not run in this chunk.
+  bool begin_node(const PlannedNode& pn);
   int64_t chunk_start() const {
-    return start_;
+    return node_start_;
   }
   int64_t chunk_rows() const {
-    return rows_;
+    return node_rows_;
   }
 
   // The real view for node->uses[i] (allocating storage for a buffer first touched here).
@@ -40,8 +45,9 @@ class Binder {
   bool in_loop() const {
     return stage_.loop;
   }
+  // The rows the running node has in all (the batch's, or its map's).
   int64_t batch() const {
-    return stage_.batch;
+    return node_total_;
   }
   // After the node ran: in whole stages, buffers it wrote now hold its versions.
   void done(const PlannedNode& pn);
@@ -58,10 +64,16 @@ class Binder {
   at::Tensor slot_view(int32_t slot, const TensorMeta& meta, bool partial);
   c10::Storage& slot_storage(int32_t slot);
 
+  // The rows [first, first + count) of a view with `map` in this chunk.
+  std::pair<int64_t, int64_t> rows_of(const RowMap& map) const {
+    const auto [first, last] = map.local(c0_, c1_);
+    return {first, last - first};
+  }
+
   const Stage& stage_;
   c10::SmallVector<c10::Storage, 16> local_;
-  int64_t start_ = 0;
-  int64_t rows_ = 0;
+  int64_t c0_ = 0, c1_ = 0; // the chunk's batch rows
+  int64_t node_start_ = 0, node_rows_ = 0, node_total_ = 0;
 };
 
 // A view over `storage` (on the backing device, or on the host when `host`) with `meta`'s geometry.

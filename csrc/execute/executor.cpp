@@ -248,7 +248,11 @@ class Walker {
     binder.begin_chunk(start, rows);
     bool ok = true;
     for (const PlannedNode& pn : st.nodes) {
-      if (!run_node(pn, binder, rows)) {
+      if (!binder.begin_node(pn)) { // none of its rows in this chunk (a slice of the batch elsewhere)
+        for (int32_t slot : pn.free_slots) binder.free_slot(slot);
+        continue;
+      }
+      if (!run_node(pn, binder, binder.chunk_rows())) {
         ok = false;
         break;
       }

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -33,6 +34,44 @@ namespace lazymem {
 enum class Reduce : uint8_t { kNone, kSum, kMax, kMin, kMoments, kLogSumExp, kNorm };
 const char* reduce_name(Reduce r);
 
+// Which rows of its batch a batch-sharded value holds (notes/batch_everywhere.md §4): its row r is the
+// batch's row off + step * r, for r in [0, n). n == 0 is the identity: every row of the batch, in
+// order. Slices along the batch (x[:h], x[h:], x[::2], split / chunk) have maps; rows pair only
+// between values with the same map, and cat of pieces whose maps tile a range in order has one map.
+struct RowMap {
+  int64_t off = 0;
+  int64_t step = 1;
+  int64_t n = 0;
+  bool identity() const {
+    return n == 0;
+  }
+  bool operator==(const RowMap& o) const {
+    return off == o.off && step == o.step && n == o.n;
+  }
+  bool operator!=(const RowMap& o) const {
+    return !(*this == o);
+  }
+  // This map followed by a slice (first, step, count) of its own rows, with `rows` the batch's.
+  RowMap then(int64_t first, int64_t by, int64_t count, int64_t rows) const {
+    RowMap m;
+    m.off = off + step * first;
+    m.step = step * by;
+    m.n = count;
+    if (m.off == 0 && m.step == 1 && m.n == rows) m = RowMap{};
+    return m;
+  }
+  // Own rows [first, last) whose batch rows fall in [c0, c1).
+  std::pair<int64_t, int64_t> local(int64_t c0, int64_t c1) const {
+    if (identity()) return {c0, c1};
+    auto at = [&](int64_t b) {
+      const int64_t r = b <= off ? 0 : (b - off + step - 1) / step;
+      return r < n ? r : n;
+    };
+    const int64_t first = at(c0), last = at(c1);
+    return {first, last > first ? last : first};
+  }
+};
+
 struct Place {
   enum Kind : uint8_t { kR, kS, kP };
   Kind kind = kR;
@@ -43,6 +82,7 @@ struct Place {
   int8_t batch = 0;
   int64_t unit = 1;              // kS: that dim has size outer * batch * unit (batch-major in each block)
   int64_t outer = 1;             // kS: blocks flattened into that dim before the batch (1: none)
+  RowMap map;                    // kS: which of the batch's rows it holds
   Reduce reduce = Reduce::kNone; // kP
 
   static Place R() {
@@ -60,6 +100,7 @@ struct Place {
   Place at(int64_t d) const {
     Place p = S(d, unit, outer);
     p.batch = batch;
+    p.map = map;
     return p;
   }
   static Place P(Reduce r) {
@@ -78,7 +119,7 @@ struct Place {
     return kind == kR;
   }
   bool operator==(const Place& o) const {
-    return kind == o.kind && (kind != kS || (dim == o.dim && unit == o.unit && outer == o.outer)) &&
+    return kind == o.kind && (kind != kS || (dim == o.dim && unit == o.unit && outer == o.outer && map == o.map)) &&
         (kind != kP || reduce == o.reduce) && (kind == kR || batch == o.batch);
   }
   bool operator!=(const Place& o) const {

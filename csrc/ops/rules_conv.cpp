@@ -90,6 +90,7 @@ bool per_sample(const RuleCall& c, RuleResult& r) {
   const Spec& s = it->second;
   if (nothing_batched(c)) return replicated(c, r);
   int64_t unit = -1, rows = -1;
+  Place place; // the batch's (dim 0)
   for (auto& m : r.ins) m = OperandMode::whole();
   for (int arg : s.batched) {
     int64_t i = c.operand_index(arg);
@@ -98,8 +99,10 @@ bool per_sample(const RuleCall& c, RuleResult& r) {
     if (o.dim() < s.min_rank) return fail(r, "an unbatched input");
     if (o.place.is_s() && o.place.dim != 0) return fail(r, "the batch is not dim 0");
     if (o.place.is_s()) {
+      if (unit >= 0 && o.place != place) return fail(r, "inputs carry the batch differently");
       unit = o.place.unit;
       rows = o.sizes[0];
+      place = o.place;
     }
   }
   if (unit < 0) {
@@ -107,12 +110,13 @@ bool per_sample(const RuleCall& c, RuleResult& r) {
     if (!want || want->dim != 0) return replicated(c, r);
     unit = want->unit;
     rows = c.outs[0].sizes[0];
+    place = *want;
   }
   for (int arg : s.batched) {
     int64_t i = c.operand_index(arg);
     if (i < 0) continue;
     if (c.ins[i].sizes[0] != rows) return fail(r, "inputs disagree on the batch size");
-    r.ins[i] = OperandMode::rows(0, unit);
+    r.ins[i] = OperandMode::rows(0, place);
   }
   for (size_t i = 0; i < c.ins.size(); ++i) {
     if (r.ins[i].mode == Mode::kWhole && c.ins[i].place.is_s()) return fail(r, "a weight carries the batch");
@@ -123,7 +127,7 @@ bool per_sample(const RuleCall& c, RuleResult& r) {
     if (ret >= s.outs.size()) continue;
     if (s.outs[ret] == 'S') {
       if (c.outs[j].sizes.empty() || c.outs[j].sizes[0] != rows) return fail(r, "an output without the batch");
-      r.outs[j] = Place::S(0, unit);
+      r.outs[j] = place.at(0);
     } else if (s.outs[ret] == 'P') {
       r.outs[j] = Place::P(Reduce::kSum);
     }

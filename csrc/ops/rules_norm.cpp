@@ -53,7 +53,7 @@ bool group_norm(const RuleCall& c, RuleResult& r) {
   if (!p) return false;
   if (!p->is_s()) return replicated(c, r);
   if (p->unit != 1) return fail(r, "a flattened batch");
-  for (auto& o : r.outs) o = Place::S(0, 1);
+  for (auto& o : r.outs) o = p->at(0);
   r.rewrites.push_back(ArgRewrite{3, -1, ArgRewrite::kRows, 0, 1});
   return true;
 }
@@ -65,7 +65,7 @@ bool group_norm_backward(const RuleCall& c, RuleResult& r) {
   if (!p) return false;
   if (!p->is_s()) return replicated(c, r);
   if (p->unit != 1) return fail(r, "a flattened batch");
-  grad_outputs(c, r, Place::S(0, 1));
+  grad_outputs(c, r, p->at(0));
   r.rewrites.push_back(ArgRewrite{5, -1, ArgRewrite::kRows, 0, 1});
   return true;
 }

@@ -85,10 +85,12 @@ bool repeat(const RuleCall& c, RuleResult& r) {
 
 // cat(tensors, dim) / stack(tensors, dim): every tensor keeps the batch along the same dim. Joined
 // along another dim, the output keeps it there. cat along the batch's own dim of tensors that all
-// carry it (each `outer` blocks of every batch row, alike per row) gives a dim of blocks: its
-// `outer` is their sum, and each chunk's output is the cat of the inputs' chunks (two views of a
-// batch concatenated, as contrastive losses do). (Legacy empty 1-D tensors, which cat skips, stay
-// whole.)
+// carry it: either each holds every batch row (`outer` blocks of them, alike per row), giving a dim
+// of blocks whose `outer` is their sum and each chunk's output the cat of the inputs' chunks (two
+// views of a batch concatenated, as contrastive losses do); or each holds a slice of the batch
+// (a row map) and the slices tile a range in order (towers over x[:h] and x[h:] concatenated), giving
+// that range: each chunk's output is the cat of the inputs' rows in the chunk, in order. (Legacy
+// empty 1-D tensors, which cat skips, stay whole.)
 bool join(const RuleCall& c, RuleResult& r) {
   if (nothing_batched(c)) return replicated(c, r);
   const bool stack = c.op.operator_name().name == "aten::stack";
@@ -99,18 +101,51 @@ bool join(const RuleCall& c, RuleResult& r) {
   const int64_t dim = wrap_dim(c.int_arg(1), stack ? rank + 1 : rank);
   std::optional<Place> p;
   int64_t outer = 0;
+  bool mapped = false;
   for (const Operand& o : c.ins) {
     if (!o.place.is_s()) continue;
     if (o.arg != 0) return fail(r, "an out= join");
-    if (p && p->at(0) != o.place.at(0) && !(p->dim == dim && o.place.dim == dim && p->unit == o.place.unit)) {
+    mapped = mapped || !o.place.map.identity();
+    if (p && p->at(0) != o.place.at(0) &&
+        !(p->dim == dim && o.place.dim == dim && p->unit == o.place.unit && p->batch == o.place.batch)) {
       return fail(r, "inputs carry the batch along different dims");
     }
-    p = o.place;
+    if (!p) p = o.place;
     outer += o.place.outer;
   }
   if (!p) return replicated(c, r);
   const bool along = !stack && p->dim == dim;
   const int64_t od = stack && p->dim >= dim ? p->dim + 1 : p->dim;
+  if (along && mapped) {
+    // Slices of the batch in order: each piece's rows follow the previous piece's.
+    RowMap m;
+    bool first = true;
+    for (size_t i = 0; i < c.ins.size(); ++i) {
+      const Operand& o = c.ins[i];
+      if (o.dim() == 1 && o.sizes[0] == 0) {
+        r.ins[i] = OperandMode::whole();
+        continue;
+      }
+      if (!o.place.is_s() || o.place.outer != 1 || o.place.unit != p->unit || o.dim() != rank) {
+        return fail(r, "joins slices of the batch with a tensor that is not one");
+      }
+      const RowMap& q = o.place.map.identity() ? RowMap{0, 1, c.batch} : o.place.map;
+      if (first) {
+        m = q;
+        first = false;
+      } else if (q.off != m.off + m.step * m.n || (q.step != m.step && q.n > 1 && m.n > 1)) {
+        return fail(r, "joins slices of the batch out of order");
+      } else {
+        if (m.n == 1) m.step = q.step;
+        m.n += q.n;
+      }
+      r.ins[i] = OperandMode::rows(dim, o.place);
+    }
+    Place out = p->at(od);
+    out.map = m.off == 0 && m.step == 1 && m.n == c.batch ? RowMap{} : m;
+    for (auto& o : r.outs) o = out;
+    return true;
+  }
   int64_t rows = -1;
   for (const Operand& o : c.ins) {
     if (o.place.is_s()) rows = o.sizes[o.place.dim] / o.place.outer;
@@ -126,7 +161,9 @@ bool join(const RuleCall& c, RuleResult& r) {
     if (o.dim() != rank || o.sizes[p->dim] != rows * blocks) return fail(r, "inputs disagree on the batch's rows");
     r.ins[i] = OperandMode::rows(p->dim, p->unit, blocks);
   }
-  for (auto& o : r.outs) o = Place::S(od, p->unit, along ? outer : p->outer);
+  Place out = p->at(od);
+  out.outer = along ? outer : p->outer;
+  for (auto& o : r.outs) o = out;
   return true;
 }
 

@@ -78,6 +78,7 @@ struct NodeInfo {
   int32_t serves = -1;        // a synthesized node: the node it was made for
   int32_t stage = -1;
   int32_t batch = -1;         // a loop node: the batch it runs over (canonical, see Analysis::find)
+  RowMap map;                 // a loop node: which of its batch's rows it computes
 };
 
 struct Analysis {

@@ -105,7 +105,10 @@ bool apply_outcome(Analysis& a, int32_t i) {
     BufInfo& b = a.bufs[ni.def_buf[j]];
     const Place& o = ni.rr.outs[j];
     if (o.is_s()) {
-      auto l = layout_of(n.defs[j].ref.meta, b.buf->nbytes.load(), BatchDim{o.dim, o.unit, o.outer}, a.rows_of(o));
+      // The def holds the rows its map names (every row of the batch for the identity).
+      const int64_t rows = o.map.identity() ? a.rows_of(o) : o.map.n;
+      auto l = layout_of(n.defs[j].ref.meta, b.buf->nbytes.load(), BatchDim{o.dim, o.unit, o.outer}, rows);
+      if (l) l->map = o.map;
       if (!l || (b.place.is_s() && !(b.layout == *l)) || b.place.is_p() || !same_batch(b, o.batch)) return false;
       b.place = Place::S(0);
       b.place.batch = static_cast<int8_t>(a.find(o.batch));
@@ -127,9 +130,38 @@ bool apply_outcome(Analysis& a, int32_t i) {
     const OperandMode& m = ni.rr.ins[k];
     if (m.mode == Mode::kRows) {
       if (b.place.is_p() || ni.batch < 0) return false;
-      auto l = layout_of(u.ref.meta, b.buf->nbytes.load(), BatchDim{m.dim, m.unit, m.outer},
-                         a.batches[a.find(ni.batch)].rows);
-      if (!l || (b.place.is_s() && !(b.layout == *l)) || !same_batch(b, ni.batch)) return false;
+      if (b.place.is_s()) {
+        // Rows written through a view of a batch-sharded value (h[::2] += 1 writes its even rows):
+        // the view must name rows of it, as the rule bound it.
+        if (!a.use_place(ni, k).is_s() || !same_batch(b, ni.batch)) return false;
+        continue;
+      }
+      const int64_t batch_rows = a.batches[a.find(ni.batch)].rows;
+      std::optional<RowLayout> l;
+      if (!ni.map.identity() && m.unit == 1 && m.outer == 1) {
+        // Rows of a slice written into a fresh value (autograd's CopySlices scatters the gradient of
+        // h[::2] into zeros of h's shape): the value holds every batch row, the slice's among them.
+        const TensorMeta& v = u.ref.meta;
+        const int64_t item = static_cast<int64_t>(c10::elementSize(v.dtype));
+        const int64_t t = v.strides[m.dim];
+        if (t > 0 && t % ni.map.step == 0) {
+          RowLayout whole;
+          whole.rows = batch_rows;
+          whole.row_bytes = t / ni.map.step * item;
+          const int64_t block = whole.rows * whole.row_bytes;
+          if (block > 0 && static_cast<int64_t>(b.buf->nbytes.load()) % block == 0) {
+            whole.outer = static_cast<int64_t>(b.buf->nbytes.load()) / block;
+            auto bd = analyze_view(v, whole);
+            if (bd && bd->dim == m.dim && bd->map(RowMap{}, batch_rows) == ni.map) l = whole;
+          }
+        }
+      }
+      if (!l) {
+        l = layout_of(u.ref.meta, b.buf->nbytes.load(), BatchDim{m.dim, m.unit, m.outer},
+                      ni.map.identity() ? batch_rows : ni.map.n);
+        if (!l) return false;
+        l->map = ni.map;
+      }
       b.place = Place::S(0);
       b.place.batch = static_cast<int8_t>(a.find(ni.batch));
       b.layout = *l;
@@ -178,6 +210,7 @@ std::vector<Place> wants(Analysis& a, int32_t i) {
       if (auto bd = analyze_view(ni.node->defs[j].ref.meta, b.layout)) {
         p = Place::S(bd->dim, bd->unit, bd->outer);
         p.batch = static_cast<int8_t>(a.find(b.place.batch));
+        p.map = bd->map(b.layout.map, a.rows_of(p));
       }
     }
     w.push_back(p);
@@ -237,7 +270,8 @@ void sink(Analysis& a) {
         }
         batch = a.find(ni.batch);
         auto l = layout_of(ni.node->uses[k].ref.meta, b.buf->nbytes.load(), BatchDim{m.dim, m.unit, m.outer},
-                           a.batches[batch].rows);
+                           ni.map.identity() ? a.batches[batch].rows : ni.map.n);
+        if (l) l->map = ni.map;
         if (!l || (layout && !(*layout == *l))) {
           ok = false;
           break;
@@ -272,6 +306,20 @@ void sink(Analysis& a) {
       }
       changed = true;
     }
+  }
+}
+
+// A value that became batch-sharded after a node filled it whole (zeros that rows are then written
+// into, as autograd's CopySlices makes): the fill runs per chunk too when that is all it does.
+void sink_fills(Analysis& a) {
+  for (int32_t i : a.order) {
+    NodeInfo& ni = a.nodes[i];
+    const Node& n = *ni.node;
+    if (ni.loop || ni.barrier || !n.defs.empty() || n.uses.size() != 1 || !n.uses[0].full_overwrite()) continue;
+    if (!a.bufs[ni.use_buf[0]].place.is_s() || n.random || n.effectful) continue;
+    const NodeInfo saved = ni;
+    evaluate(a, i);
+    if (!ni.loop || ni.barrier || !apply(a, i)) ni = saved;
   }
 }
 
@@ -313,6 +361,7 @@ void propagate(Analysis& a) {
     }
   }
   sink(a);
+  sink_fills(a);
 }
 
 
@@ -355,6 +404,7 @@ Place Analysis::use_place(const NodeInfo& ni, size_t u) const {
     if (!bd) return Place::R();
     Place p = Place::S(bd->dim, bd->unit, bd->outer);
     p.batch = static_cast<int8_t>(find(b.place.batch));
+    p.map = bd->map(b.layout.map, rows_of(p));
     return p;
   }
   if (b.place.is_p()) {
@@ -424,6 +474,21 @@ bool settle_batch(Analysis& a, NodeInfo& ni, const std::vector<Place>& want) {
     if (!o.is_r()) o.batch = static_cast<int8_t>(std::max(batch, 0));
   }
   ni.batch = batch;
+  // The node's rows: its batch-sharded outputs', else its operands read by rows.
+  ni.map = RowMap{};
+  bool found = false;
+  for (const Place& o : ni.rr.outs) {
+    if (o.is_s() && !found) {
+      ni.map = o.map;
+      found = true;
+    }
+  }
+  for (size_t k = 0; k < ni.ops.size() && !found; ++k) {
+    if (ni.rr.ins[k].mode == Mode::kRows && ni.ops[k].place.is_s()) {
+      ni.map = ni.ops[k].place.map;
+      found = true;
+    }
+  }
   return true;
 }
 

@@ -28,16 +28,17 @@ std::optional<Geometry> geometry(const TensorMeta& view, const RowLayout& layout
 std::optional<BatchDim> analyze_view(const TensorMeta& view, const RowLayout& layout) {
   auto g = geometry(view, layout);
   if (!g || view.numel() == 0) return std::nullopt;
-  // Split the offset into (block, row, position inside the row); the view must start at row 0.
+  // Split the offset into (block, row, position inside the row).
   int64_t off = view.offset;
   if (off < 0) return std::nullopt;
   const int64_t block_index = off / g->block;
   if (block_index >= layout.outer) return std::nullopt;
-  int64_t in_block = off % g->block;
-  if (in_block / g->row != 0) return std::nullopt; // starts past the first batch row: a slice along it
+  const int64_t in_block = off % g->block;
+  const int64_t o = in_block / g->row; // the first row the view holds
   const int64_t r0 = in_block % g->row;
 
   BatchDim found;
+  bool slice = false;
   int64_t row_extent = 0;        // max position inside a row reached by row dims (from r0)
   int64_t outer_extent = 0;      // max block index reached by outer dims
   int64_t flat_stride = 0;       // the batch dim's stride when it is flattened with row dims
@@ -61,6 +62,15 @@ std::optional<BatchDim> analyze_view(const TensorMeta& view, const RowLayout& la
       if (t < g->row) flat_stride = t;
       continue;
     }
+    if (t % g->row == 0 && t < g->block) {
+      // A slice of whole rows along the batch: rows o, o + s, ..., o + s * (n - 1).
+      if (found.dim >= 0) return std::nullopt;
+      const int64_t s = t / g->row;
+      if (o + s * (n - 1) >= layout.rows) return std::nullopt;
+      found = BatchDim{static_cast<int8_t>(k), 1, 1, o, s, n};
+      slice = true;
+      continue;
+    }
     if (t < g->row) {
       row_extent += (n - 1) * t;
       continue;
@@ -68,6 +78,8 @@ std::optional<BatchDim> analyze_view(const TensorMeta& view, const RowLayout& la
     return std::nullopt; // steps over batch rows without covering all of them once
   }
   if (found.dim < 0) return std::nullopt;
+  if (!slice && o != 0) return std::nullopt; // (whole rows from a later start: a slice of one row, not split)
+  if (slice && found.count == layout.rows && found.step == 1) found.count = 0; // every row after all
   if (block_index + outer_extent >= layout.outer) return std::nullopt;
   // Row dims must stay inside one row, and inside one step of a flattened batch dim.
   const int64_t limit = flat_stride > 0 ? flat_stride : g->row;
@@ -88,26 +100,41 @@ std::optional<RowLayout> layout_of(const TensorMeta& view, size_t nbytes, BatchD
   if (block <= 0 || static_cast<int64_t>(nbytes) % block != 0) return std::nullopt;
   l.outer = static_cast<int64_t>(nbytes) / block;
   auto back = analyze_view(view, l);
-  if (!back || back->dim != at.dim || back->unit != at.unit || back->outer != at.outer) return std::nullopt;
+  if (!back || back->dim != at.dim || back->unit != at.unit || back->outer != at.outer || back->count != 0) {
+    return std::nullopt;
+  }
   return l;
 }
 
-TensorMeta localize(const TensorMeta& view, const RowLayout& layout, int64_t chunk_rows) {
+TensorMeta localize(const TensorMeta& view, const RowLayout& layout, int64_t c0, int64_t c1) {
   auto g = geometry(view, layout);
   TensorMeta m = view;
   if (!g) return m;
   auto at = analyze_view(view, layout);
-  const int64_t local_block = g->row * chunk_rows;
+  const auto [first, last] = local_rows(layout, c0, c1); // the buffer's rows the storage holds
+  const int64_t local_block = g->row * (last - first);
+  int64_t start_row = 0; // the view's first row, in the chunk-local storage
   for (size_t k = 0; k < m.sizes.size(); ++k) {
     if (at && static_cast<int64_t>(k) == at->dim) {
-      m.sizes[k] = at->outer * chunk_rows * at->unit;
+      if (at->count == 0) {
+        m.sizes[k] = at->outer * (last - first) * at->unit;
+      } else {
+        // The slice's rows among the storage's: those at first .. last - 1.
+        auto in = [&](int64_t row) {
+          const int64_t r = row <= at->first ? 0 : (row - at->first + at->step - 1) / at->step;
+          return std::min(r, at->count);
+        };
+        const int64_t v0 = in(first), v1 = std::max(in(last), v0);
+        m.sizes[k] = v1 - v0;
+        start_row = at->first + at->step * v0 - first;
+      }
       continue;
     }
     const int64_t t = m.strides[k];
     if (t != 0 && t % g->block == 0) m.strides[k] = (t / g->block) * local_block;
   }
   const int64_t block_index = view.offset / g->block;
-  m.offset = block_index * local_block + view.offset % g->block;
+  m.offset = block_index * local_block + start_row * g->row + view.offset % g->row;
   return m;
 }
 

@@ -32,10 +32,24 @@ struct Affine {
   }
 };
 
-// Bytes per batch row of a view whose batch dim is `dim` (unit elements per row).
+// Bytes per batch row of a view whose batch dim is `dim` (unit elements per row); a view of some rows
+// (a slice along the batch) has its own rows, one every `step` batch rows.
 int64_t bytes_per_row(const TensorMeta& m, const Bound& bd, int64_t batch) {
-  if (bd.dim < 0 || batch <= 0) return 0;
-  return m.numel() * static_cast<int64_t>(c10::elementSize(m.dtype)) / batch;
+  const int64_t rows = bd.map.identity() ? batch : bd.map.n * bd.map.step;
+  if (bd.dim < 0 || rows <= 0) return 0;
+  return (m.numel() * static_cast<int64_t>(c10::elementSize(m.dtype)) + rows - 1) / rows;
+}
+
+// A chunk-local storage: its rows in a chunk of c batch rows are at most c / step + 1 (c for a map
+// of step 1, the identity included).
+struct SlotBytes {
+  int64_t bytes;
+  int64_t per_row;
+};
+SlotBytes local_bytes(const RowLayout& l) {
+  const int64_t row = l.outer * l.row_bytes;
+  if (l.map.step <= 1) return {0, row};
+  return {row, (row + l.map.step - 1) / l.map.step};
 }
 
 class Simulator {
@@ -113,7 +127,9 @@ class Simulator {
     std::vector<char> adopted(st.slots.size(), 0); // partials that became accumulators
     auto slot_bytes = [&](int32_t i) {
       const Slot& sl = st.slots[i];
-      return sl.store == Store::kLocal ? Affine{0, sl.layout.outer * sl.layout.row_bytes} : Affine{sl.bytes, 0};
+      if (sl.store != Store::kLocal) return Affine{sl.bytes, 0};
+      const SlotBytes b = local_bytes(sl.layout);
+      return Affine{b.bytes, b.per_row};
     };
     for (int pass = 0; pass < 2; ++pass) { // the first chunk, then a steady one (accumulators held)
       std::vector<char> live(st.slots.size(), 0);

@@ -18,16 +18,18 @@
 
 namespace lazymem {
 
-// The storage of a batch-sharded buffer: `outer` blocks of `rows` batch rows of `row_bytes` each.
+// The storage of a batch-sharded buffer: `outer` blocks of `rows` rows of `row_bytes` each; its row
+// r is the batch's row `map` gives (all of them in order when the map is the identity).
 struct RowLayout {
   int64_t outer = 1;
   int64_t rows = 0;
   int64_t row_bytes = 0;
-  int64_t bytes(int64_t chunk_rows) const {
-    return outer * chunk_rows * row_bytes;
+  RowMap map;
+  int64_t bytes(int64_t local_rows) const {
+    return outer * local_rows * row_bytes;
   }
   bool operator==(const RowLayout& o) const {
-    return outer == o.outer && rows == o.rows && row_bytes == o.row_bytes;
+    return outer == o.outer && rows == o.rows && row_bytes == o.row_bytes && map == o.map;
   }
 };
 
@@ -59,6 +61,7 @@ struct Bound {
   int64_t unit = 1;
   int64_t outer = 1;   // kNarrow: blocks flattened into that dim (> 1: the rows are gathered, no view)
   int32_t slot = -1;   // kLocal / kPartial
+  RowMap map;          // kLocal / kNarrow: which batch rows the view's rows are (a chunk binds those in it)
 };
 
 // A host tensor in the node's arguments (an upload's source) narrowed to the chunk's rows.
@@ -87,6 +90,10 @@ struct PlannedNode {
   std::vector<int32_t> free_slots;  // slots whose chunk-local storage dies after this node
   bool placeholder_outputs = false; // outputs whose shapes the kernel may not match (BN placeholders)
   int64_t predicted = 0;            // the memory model's device bytes while it runs (LAZYMEM_DEBUG=3)
+  RowMap rows;                      // Loop stages: the node's rows (of its batch-sharded outputs, else
+                                    // operands); rewritten arguments, random draws and host constants
+                                    // follow them, and a chunk holding none of them skips the node
+  bool row_node = false;            // ...it has rows at all (not only partials or whole operands)
   uint32_t rng_block = 0;           // > 0: random draws keyed by blocks of this many batch rows
   bool recompute = false;           // a node of an earlier loop run again here for a chunk's rows
                                     // (its results other than chunk-local values are dropped)

@@ -8,9 +8,16 @@
 
 namespace lazymem {
 
-std::string probe_chunk(const Stage& st, const PlannedNode& pn, int64_t rows,
+std::string probe_chunk(const Stage& st, const PlannedNode& pn, int64_t c0, int64_t c1,
                         const std::function<int32_t(const LazyBuffer*)>& storage_of) {
   const Node& n = *pn.node;
+  const auto [node_first, node_last] = pn.rows.local(c0, c1);
+  const int64_t rows = node_last - node_first;
+  if (rows == 0 && pn.row_node) return ""; // it does not run in this chunk
+  auto narrowed = [&](const TensorMeta& m, const Bound& bd) {
+    const auto [first, last] = bd.map.local(c0, c1);
+    return narrow_rows(m, bd.dim, bd.unit, first, last - first);
+  };
   std::vector<ProbeTensor> ts;
   auto add = [&](int32_t arg, int32_t elem, const TensorMeta& m, int32_t storage, int64_t bytes) {
     ProbeTensor t;
@@ -32,17 +39,17 @@ std::string probe_chunk(const Stage& st, const PlannedNode& pn, int64_t rows,
     switch (bd.bind) {
       case Bind::kLocal: {
         const RowLayout& l = st.slots[bd.slot].layout;
-        add(u.arg, u.elem, localize(u.ref.meta, l, rows), id, l.bytes(rows));
+        const auto [first, last] = local_rows(l, c0, c1);
+        add(u.arg, u.elem, localize(u.ref.meta, l, c0, c1), id, l.bytes(last - first));
         break;
       }
       case Bind::kNarrow:
         if (bd.outer != 1) { // a gathered copy
-          const TensorMeta g = gathered_rows(u.ref.meta, bd.dim, bd.unit, bd.outer, rows);
+          const TensorMeta g = gathered_rows(u.ref.meta, bd.dim, bd.unit, bd.outer, c1 - c0);
           add(u.arg, u.elem, g, next--, static_cast<int64_t>(g.extent_bytes()));
           break;
         }
-        add(u.arg, u.elem, narrow_rows(u.ref.meta, bd.dim, bd.unit, 0, rows), id,
-            static_cast<int64_t>(u.ref.buf->nbytes.load()));
+        add(u.arg, u.elem, narrowed(u.ref.meta, bd), id, static_cast<int64_t>(u.ref.buf->nbytes.load()));
         break;
       default:
         add(u.arg, u.elem, u.ref.meta, id, static_cast<int64_t>(u.ref.buf->nbytes.load()));
@@ -57,7 +64,7 @@ std::string probe_chunk(const Stage& st, const PlannedNode& pn, int64_t rows,
       if (!v.isTensor() || !v.toTensor().defined() || v.toTensor().device().type() == c10::DeviceType::PrivateUse1) return;
       at::Tensor t = v.toTensor();
       for (const ConstNarrow& c : pn.consts) {
-        if (c.arg == static_cast<int32_t>(i) && c.elem == elem) t = t.narrow(c.dim, 0, rows * c.unit);
+        if (c.arg == static_cast<int32_t>(i) && c.elem == elem) t = t.narrow(c.dim, node_first * c.unit, rows * c.unit);
       }
       TensorMeta m = TensorMeta::of(*t.unsafeGetTensorImpl());
       add(static_cast<int32_t>(i), elem, m, next--, static_cast<int64_t>(t.storage().nbytes()));
@@ -71,7 +78,8 @@ std::string probe_chunk(const Stage& st, const PlannedNode& pn, int64_t rows,
   }
   for (const ArgRewrite& rw : pn.rewrites) {
     int64_t v = rw.kind == ArgRewrite::kRows ? rw.base + rw.scale * rows
-        : rw.kind == ArgRewrite::kEnd        ? rw.base + rw.scale * rows
+        : rw.kind == ArgRewrite::kStart      ? rw.base + rw.scale * node_first
+        : rw.kind == ArgRewrite::kEnd        ? rw.base + rw.scale * node_last
                                              : rw.base;
     if (rw.elem < 0) {
       args[rw.arg] = c10::IValue(v);
@@ -86,10 +94,9 @@ std::string probe_chunk(const Stage& st, const PlannedNode& pn, int64_t rows,
     const Bound& bd = pn.defs[j];
     if (bd.bind == Bind::kDiscard) continue;
     TensorMeta want = d.ref.meta;
-    if (bd.bind == Bind::kLocal) want = localize(d.ref.meta, st.slots[bd.slot].layout, rows);
+    if (bd.bind == Bind::kLocal) want = localize(d.ref.meta, st.slots[bd.slot].layout, c0, c1);
     if (bd.bind == Bind::kNarrow) {
-      want = bd.outer != 1 ? gathered_rows(d.ref.meta, bd.dim, bd.unit, bd.outer, rows)
-                           : narrow_rows(d.ref.meta, bd.dim, bd.unit, 0, rows);
+      want = bd.outer != 1 ? gathered_rows(d.ref.meta, bd.dim, bd.unit, bd.outer, c1 - c0) : narrowed(d.ref.meta, bd);
     }
     const ProbeOutput::Item* got = out->find(d.ret, d.elem);
     if (!got || got->dtype != want.dtype || !c10::IntArrayRef(got->sizes).equals(want.sizes)) {
@@ -104,13 +111,21 @@ std::unordered_map<const Node*, std::string> probe_plan(const Plan& plan,
                                                        const std::function<int32_t(const LazyBuffer*)>& storage_of) {
   std::unordered_map<const Node*, std::string> bad;
   for (const Stage& st : plan.stages) {
-    if (!st.loop) continue;
-    std::vector<int64_t> sizes{st.chunk};
-    const int64_t last = st.batch - (st.chunks() - 1) * st.chunk;
-    if (last != st.chunk) sizes.push_back(last);
+    if (!st.loop || st.chunk <= 0) continue;
+    auto chunk_at = [&](int64_t row) { // the chunk holding batch row `row`
+      const int64_t c0 = row / st.chunk * st.chunk;
+      return std::make_pair(c0, std::min(c0 + st.chunk, st.batch));
+    };
     for (const PlannedNode& pn : st.nodes) {
-      for (int64_t rows : sizes) {
-        std::string why = probe_chunk(st, pn, rows, storage_of);
+      std::vector<std::pair<int64_t, int64_t>> chunks{chunk_at(0), chunk_at(st.batch - 1)};
+      if (!pn.rows.identity()) {
+        chunks.push_back(chunk_at(pn.rows.off));
+        chunks.push_back(chunk_at(pn.rows.off + pn.rows.step * (pn.rows.n - 1)));
+      }
+      std::sort(chunks.begin(), chunks.end());
+      chunks.erase(std::unique(chunks.begin(), chunks.end()), chunks.end());
+      for (auto [c0, c1] : chunks) {
+        std::string why = probe_chunk(st, pn, c0, c1, storage_of);
         if (!why.empty()) {
           bad.emplace(pn.node, why);
           break;

@@ -13,13 +13,15 @@
 
 namespace lazymem {
 
-// Why node `pn` of loop `st` cannot run on a chunk of `rows` rows ("" when it can). `storage_of`
-// numbers the buffers (operands sharing a storage in the program share it in the probe).
-std::string probe_chunk(const Stage& st, const PlannedNode& pn, int64_t rows,
+// Why node `pn` of loop `st` cannot run on the chunk of batch rows [c0, c1) ("" when it can, or
+// when it holds none of its rows there). `storage_of` numbers the buffers (operands sharing a
+// storage in the program share it in the probe).
+std::string probe_chunk(const Stage& st, const PlannedNode& pn, int64_t c0, int64_t c1,
                         const std::function<int32_t(const LazyBuffer*)>& storage_of);
 
-// Every loop node of `plan` probed on its full chunks and on the ragged last one: the nodes that
-// cannot run split, and why.
+// Every loop node of `plan` probed on its first full chunk and on the ragged last one (a node over a
+// slice of the batch also on the chunks where its rows begin and end): the nodes that cannot run
+// split, and why.
 std::unordered_map<const Node*, std::string> probe_plan(const Plan& plan,
                                                        const std::function<int32_t(const LazyBuffer*)>& storage_of);
 

@@ -37,30 +37,36 @@ Bound SplitBuilder::bind(Stage& st, LoopState& ls, int32_t i, size_t k, bool def
   Mode mode;
   int8_t dim = -1;
   int64_t unit = 1, outer = 1;
+  RowMap map = ni.map; // (an operand that is not batch-sharded, read by rows: the node's rows of it)
   if (def) {
     const Place& p = ni.rr.outs[k];
     mode = p.is_s() ? Mode::kRows : (p.is_p() ? Mode::kPartial : Mode::kWhole);
     dim = p.dim;
     unit = p.unit;
     outer = p.outer;
+    if (p.is_s()) map = p.map;
   } else {
     const OperandMode& m = ni.rr.ins[k];
     mode = m.mode;
     dim = m.dim;
     unit = m.unit;
     outer = m.outer;
+    const Place p = a_.use_place(ni, k);
+    if (p.is_s()) map = p.map;
   }
   if (def && copying_ && (mode != Mode::kRows || !local(b))) {
     bd.bind = Bind::kDiscard; // run again for its chunk-local results only
     if (mode == Mode::kRows) {
       bd.dim = dim; // (rows of it, for the memory model and the workspace key)
       bd.unit = unit;
+      bd.map = map;
     }
     return bd;
   }
   if (mode == Mode::kWhole) return bd;
   bd.dim = dim;
   bd.unit = unit;
+  bd.map = map;
   if (mode == Mode::kPartial) {
     bd.bind = Bind::kPartial;
     bd.slot = slot_of(st, ls, b, Store::kPartial);
@@ -129,6 +135,13 @@ PlannedNode SplitBuilder::planned_loop_node(Stage& st, LoopState& ls, int32_t i,
   for (size_t k = n.uses.size(); k < ni.ops.size(); ++k) {
     const OperandMode& m = ni.rr.ins[k];
     if (m.mode == Mode::kRows) pn.consts.push_back(ConstNarrow{ni.ops[k].arg, ni.ops[k].elem, m.dim, m.unit});
+  }
+  pn.rows = ni.map;
+  pn.row_node = !pn.consts.empty();
+  for (const Bound& bd : pn.uses) pn.row_node = pn.row_node || bd.bind == Bind::kLocal || bd.bind == Bind::kNarrow;
+  for (const Bound& bd : pn.defs) {
+    pn.row_node = pn.row_node || bd.bind == Bind::kLocal || bd.bind == Bind::kNarrow ||
+        (bd.bind == Bind::kDiscard && bd.dim >= 0);
   }
   pn.rewrites.assign(ni.rr.rewrites.begin(), ni.rr.rewrites.end());
   pn.post_div.assign(ni.rr.post_div.begin(), ni.rr.post_div.end());

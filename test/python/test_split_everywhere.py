@@ -365,3 +365,93 @@ def test_an_index_read_after_a_split_reads_live_values():
         loss = F.cross_entropy(out, yl)
         assert torch.equal(yl[pl].cpu(), y[perm])
         loss.item()
+
+
+# ---- row maps: slices of the batch ----
+
+
+def towers_program(B, hidden=32):
+    torch.manual_seed(11)
+    x, y = torch.randn(B, 16, dtype=D), torch.randint(0, 4, (B,))
+    t0, t1 = mlp(16, hidden, 4), mlp(16, hidden, 4)
+
+    def run(dev):
+        a, b = copy.deepcopy(t0).to(dev), copy.deepcopy(t1).to(dev)
+        xs, h = x.to(dev), 2 * B // 5
+        loss = sgd_step([a, b], lambda: F.cross_entropy(torch.cat([a(xs[:h]), b(xs[h:])]), y.to(dev)))
+        return [loss, a, b]
+    return run
+
+
+def test_two_towers_over_slices_of_the_batch_then_cat():
+    stats = check_split(towers_program(10))
+    assert all(s["barriers"] == 0 for s in stats)
+
+
+def test_two_towers_under_a_cap():
+    check_capped(towers_program(2000, hidden=256), 4 * MiB)
+
+
+def hand_accumulation_program(B, hidden=32):
+    torch.manual_seed(12)
+    x, y = torch.randn(B, 16, dtype=D), torch.randint(0, 4, (B,))
+    model = mlp(16, hidden, 4)
+
+    def run(dev):
+        m = copy.deepcopy(model).to(dev)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        xs, ys, h = x.to(dev), y.to(dev), 2 * B // 5
+        F.cross_entropy(m(xs[:h]), ys[:h]).backward()
+        F.cross_entropy(m(xs[h:]), ys[h:]).backward()  # .grad accumulates over the two halves
+        opt.step()
+        return [m]
+    return run
+
+
+def test_gradient_accumulation_written_by_hand_over_two_halves():
+    stats = check_split(hand_accumulation_program(10))
+    assert all(s["barriers"] == 0 for s in stats)
+
+
+def test_gradient_accumulation_by_hand_under_a_cap():
+    check_capped(hand_accumulation_program(2000, hidden=256), 3 * MiB)
+
+
+def row_writes_program(B, hidden=32):
+    torch.manual_seed(13)
+    x, y = torch.randn(B, 16, dtype=D), torch.randint(0, 4, (B,))
+    model = mlp(16, hidden, 4)
+
+    def run(dev):
+        m = copy.deepcopy(model).to(dev)
+
+        def loss_fn():
+            h = m[0](x.to(dev)) * 1.5
+            h[::2] += 1       # a strided row write
+            h[-3:] = 0.5      # a tail row write
+            return F.cross_entropy(m[4](m[3](m[2](m[1](h)))), y.to(dev))
+        return [sgd_step([m], loss_fn), m]
+    return run
+
+
+def test_strided_and_tail_row_writes():
+    stats = check_split(row_writes_program(10))
+    assert all(s["barriers"] == 0 for s in stats)
+
+
+def test_row_writes_under_a_cap():
+    check_capped(row_writes_program(2000, hidden=256), 4 * MiB)
+
+
+def test_split_chunk_and_cat_in_row_order():
+    torch.manual_seed(14)
+    x = torch.randn(10, 6, dtype=D)
+
+    def run(dev):
+        xs = x.to(dev)
+        a, b = xs.split([3, 7])
+        c = torch.cat([p * (i + 1) for i, p in enumerate(xs.chunk(3))])
+        odd = xs[1::2].exp()
+        return [torch.cat([a.tanh(), b.sigmoid()]).sum(0), (c * xs).sum(1), odd.sum(0), c[:3]]
+    stats = check_split(run)
+    assert all(s["barriers"] == 0 for s in stats)
