@@ -273,7 +273,7 @@ std::string Plan::to_string(bool nodes) const {
           local.push_back(&sl);
           per_chunk += sl.layout.bytes(st.chunk);
         } else {
-          partial.push_back(&sl);
+          if (sl.acc >= 0) partial.push_back(&sl); // (partials never finished stay chunk-local)
         }
       }
       std::sort(local.begin(), local.end(), [&](const Slot* a, const Slot* b) {

@@ -286,11 +286,28 @@ void SplitBuilder::emit_loop(int32_t s, const std::vector<int32_t>& nodes) {
 }
 
 void SplitBuilder::emit_partials(Stage& st, LoopState& ls) {
+  // A partial only ever read as a partial within the loop (a tied weight's two gradient terms, summed
+  // there into the one that survives) is never finished: no accumulator holds it.
+  std::vector<char> finished(a_.bufs.size(), 0);
+  for (int32_t i : a_.order) {
+    const NodeInfo& ni = a_.nodes[i];
+    for (size_t k = 0; k < ni.node->uses.size(); ++k) {
+      if (ni.node->uses[k].full_overwrite() || !a_.reads_partial(ni, k)) continue;
+      if (ni.rr.ins[k].mode != Mode::kPartial || ni.stage != a_.nodes[producer(ni.use_buf[k], a_.bufs[ni.use_buf[k]].p_first)].stage) {
+        finished[ni.use_buf[k]] = 1;
+      }
+    }
+    for (size_t j = 0; j < ni.rr.finalize.size(); ++j) {
+      const Finalize& f = ni.rr.finalize[j];
+      if (f.kind == Finalize::kDivOutput) finished[ni.def_buf[f.output]] = 1;
+    }
+  }
   for (size_t q = 0; q < st.slots.size(); ++q) {
     Slot& sl = st.slots[q];
     if (sl.store != Store::kPartial) continue;
     const int32_t b = a_.index.at(sl.buf);
     const BufInfo& bi = a_.bufs[b];
+    if (!finished[b] && !bi.live && !bi.needed && !pinned_[b]) continue;
     int32_t writer = producer(b, bi.p_last);
     size_t at = 0;
     for (size_t p = 0; p < st.nodes.size(); ++p) {
