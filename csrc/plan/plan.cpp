@@ -9,6 +9,7 @@
 #include "core/config.h"
 #include "ops/op_rules.h"
 #include "plan/analysis.h"
+#include "plan/lanes.h"
 #include "plan/memory.h"
 #include "plan/reuse.h"
 #include "plan/schedule.h"
@@ -81,6 +82,31 @@ std::optional<Plan> nothing_runs(const PlanInput& in) {
   return plan;
 }
 
+// A program over the budget whose per-tensor chains (an optimizer step's _foreach_ ops) run in
+// groups of tensors (plan/lanes.h): the fewest groups that fit, or as many as there are tensors.
+// The schedule and plan are replaced when that lowers the peak.
+void group_lanes(const PlanInput& in, const std::vector<const Node*>& nodes, Schedule& s, Plan& plan) {
+  const std::vector<LaneChain> chains = find_lane_chains(nodes, s);
+  size_t most = 0;
+  for (const LaneChain& c : chains) most = std::max(most, c.lanes);
+  if (most < 2) return;
+  for (size_t groups = 2;; groups = std::min(groups * 2, most)) {
+    Schedule t = s;
+    run_lanes_in_groups(t, nodes, chains, groups);
+    Plan p = whole_plan(in, t);
+    p.predicted_peak = model_memory(p).peak(p);
+    if (p.predicted_peak <= in.budget || groups >= most) {
+      if (p.predicted_peak < plan.predicted_peak) {
+        p.notes = std::move(plan.notes);
+        p.notes.push_back(describe_lane_groups(chains, groups) + " (the whole list at once does not fit)");
+        s = std::move(t);
+        plan = std::move(p);
+      }
+      return;
+    }
+  }
+}
+
 // Plans from scratch.
 Plan plan_anew(const PlanInput& in) {
   std::vector<const Node*> nodes(in.nodes.begin(), in.nodes.end());
@@ -90,6 +116,11 @@ Plan plan_anew(const PlanInput& in) {
   const MemPoint* at = nullptr;
   plan.predicted_peak = model.peak(plan, &at);
   if (config().debug >= 3) model.annotate(plan);
+  if (in.budget >= 0 && plan.predicted_peak > in.budget) {
+    group_lanes(in, nodes, s, plan);
+    model = model_memory(plan);
+    plan.predicted_peak = model.peak(plan, &at);
+  }
   const bool over = in.budget >= 0 && plan.predicted_peak > in.budget;
   if (!over && in.force_chunks <= 0) { // fits: exactly eager's kernels in program order
     note_unsplit_facts(in.nodes, s, in.needed, plan);

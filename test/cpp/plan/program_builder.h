@@ -79,6 +79,24 @@ class ProgramBuilder {
     program_.append(std::move(n));
     return out;
   }
+  // An in-place op writing `self` (argument 0, its old contents read) and reading `ins`.
+  void inplace(const char* name, const char* overload, std::vector<c10::IValue> args, const T& self,
+               std::vector<std::pair<int32_t, T>> ins = {}) {
+    auto n = std::make_unique<Node>(c10::Dispatcher::singleton().findSchemaOrThrow(name, overload));
+    n->args = std::move(args);
+    Use w;
+    w.arg = 0;
+    w.ref = TensorRef{self.buf, self.meta, 0};
+    w.write = true;
+    n->uses.push_back(std::move(w));
+    for (auto& [arg, t] : ins) {
+      Use u;
+      u.arg = arg;
+      u.ref = TensorRef{t.buf, t.meta, 0};
+      n->uses.push_back(std::move(u));
+    }
+    program_.append(std::move(n));
+  }
   // Detaches everything and plans it with `live` surviving and `needed` read.
   Plan plan(std::vector<T> live, std::vector<T> needed, int64_t force_chunks, int64_t budget = -1) {
     seg_ = program_.take_prefix(UINT64_MAX);
