@@ -139,8 +139,15 @@ at::Tensor Binder::use(const PlannedNode& pn, size_t i) {
     return real_view(b, u.ref.meta);
   }
   switch (bd->bind) {
-    case Bind::kLocal:
+    case Bind::kLocal: {
+      // A chunk-local value is written in the chunk before anything reads it (by the node defining it,
+      // or by a node run again for it): reading a fresh slot would read garbage.
+      const Slot& sl = stage_.slots[bd->slot];
+      const auto [first, last] = local_rows(sl.layout, c0_, c1_);
+      LAZYMEM_INTERNAL_ASSERT(local_[bd->slot] || u.full_overwrite() || u.write_only || first == last,
+                              pn.node->describe(), " reads rows of b", b.id, " that nothing wrote in this chunk");
       return slot_view(bd->slot, u.ref.meta, false);
+    }
     case Bind::kPartial:
       return slot_view(bd->slot, u.ref.meta, true);
     case Bind::kNarrow: {

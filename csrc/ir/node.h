@@ -97,6 +97,10 @@ struct Node {
   bool effectful = false;       // no outputs but a side effect (asserts): never eliminated
   bool grad_mode = false;       // GradMode at record time: a few kernels read it (replay restores it)
   bool upload = false;          // copy_ of a host tensor (its snapshot in args[1]) into a lazymem buffer
+  // A split plan kept it pending once already (its result survived, not needed, recomputed later):
+  // a value still unread at the next plan is stored instead, so a chain of syncs that each leave it
+  // unread (generation's KV cache, read by every later token) recomputes it at most once.
+  bool kept = false;
   // Op rules the plan fingerprint reads (ir/tape.h), set by the recorder: floating-point arguments
   // cannot change placements (pointwise and _foreach_ ops), and the argument that is per-call state.
   bool floats_shape_free = false;

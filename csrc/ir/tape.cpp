@@ -135,7 +135,8 @@ void Tape::add(const Node& n) {
     return static_cast<uint32_t>(static_cast<int64_t>(version) - static_cast<int64_t>(base[c]));
   };
   if (n.sig != 0) {
-    words.push_back(kSigMark | uint64_t{n.grad_mode} | (uint64_t{n.row_keyed != nullptr} << 1));
+    words.push_back(kSigMark | uint64_t{n.grad_mode} | (uint64_t{n.row_keyed != nullptr} << 1) |
+                    (uint64_t{n.kept} << 2));
     words.push_back(n.sig);
     if (n.row_keyed) words.push_back(n.row_keyed->block);
     auto ref = [&](uint32_t c, uint32_t version) { return (uint64_t{c} << 32) | rel(c, version); };
@@ -153,7 +154,7 @@ void Tape::add(const Node& n) {
   Words w{words, describable};
   w.put(reinterpret_cast<uintptr_t>(&n.op.schema()));
   w.put(uint64_t{n.upload} | (uint64_t{n.random} << 1) | (uint64_t{n.effectful} << 2) |
-        (uint64_t{n.grad_mode} << 3) | (uint64_t{n.row_keyed != nullptr} << 4) |
+        (uint64_t{n.grad_mode} << 3) | (uint64_t{n.row_keyed != nullptr} << 4) | (uint64_t{n.kept} << 5) |
         (static_cast<uint64_t>(n.uses.size()) << 8) | (static_cast<uint64_t>(n.defs.size()) << 24) |
         (static_cast<uint64_t>(n.args.size()) << 40));
   if (n.row_keyed) w.put(n.row_keyed->block);

@@ -7,7 +7,7 @@
 // Buffers are numbered by first appearance (per node its defs, then its uses) and every version is
 // relative to its buffer's first reference (32 bits, modulo 2^32). A node recorded from a cached meta
 // result (Node::sig != 0) takes a word per reference:
-//   kSigMark | grad mode | row-keyed << 1, sig, [row-keyed block],
+//   kSigMark | grad mode | row-keyed << 1 | kept << 2, sig, [row-keyed block],
 //   per def number << 32 | version, per use number << 32 | version [, write version if it writes]
 // (the sig stands for the op, arguments, geometry and which uses write, so it fixes the length).
 // Any other node is described in full: its schema's address (never kSigMark's top bits), flags and

@@ -133,6 +133,9 @@ void register_placement_rules(const char* family, std::initializer_list<const ch
     if (!s.empty() && s.back() == '*') {
       s.pop_back();
       r.prefix.emplace_back(s, RuleEntry{fn, family, outer_aware});
+    } else if (!s.empty() && s.back() == '.') { // the overload without a name only
+      s.pop_back();
+      r.exact[s] = RuleEntry{fn, family, outer_aware};
     } else if (s.find('.') == std::string::npos) {
       r.any[s] = RuleEntry{fn, family, outer_aware};
     } else {

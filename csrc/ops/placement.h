@@ -259,8 +259,9 @@ struct RuleEntry {
 
 // The rule for `op`, or nullptr when none is registered (cached per op, thread-safe).
 const RuleEntry* placement_rule(const c10::OperatorHandle& op);
-// Registers `fn` for each op ("aten::add.Tensor"; a name without an overload covers every overload;
-// a name ending in '*' covers every op whose name starts with what precedes it).
+// Registers `fn` for each op ("aten::add.Tensor"; a name without an overload covers every overload,
+// one ending in '.' only the overload without a name; a name ending in '*' covers every op whose
+// name starts with what precedes it).
 void register_placement_rules(const char* family, std::initializer_list<const char*> ops, PlaceRule fn,
                               bool outer_aware = false);
 // Ops tagged pointwise in native_functions.yaml (or whose functional form is) get `fn` by default.

@@ -65,7 +65,23 @@ bool pointwise(const RuleCall& c, RuleResult& r) {
   return true;
 }
 
+// isin(elements, test_elements): elementwise in `elements` (generation's stopping check: which
+// sampled tokens are end-of-sequence tokens), `test_elements` read whole.
+bool isin(const RuleCall& c, RuleResult& r) {
+  if (nothing_batched(c)) return replicated(c, r);
+  const int64_t e = c.operand_index(0), t = c.operand_index(1);
+  if (t >= 0 && c.ins[t].place.is_s()) return fail(r, "the values tested against carry the batch");
+  if (e < 0 || c.outs.empty()) return fail(r, "no batched elements");
+  std::vector<int64_t> which{e};
+  auto p = broadcast(c, r, c.outs[0].sizes, c.wanted(0), which);
+  if (!p) return false;
+  if (t >= 0) r.ins[t] = OperandMode::whole();
+  r.outs[0] = *p;
+  return true;
+}
+
 const bool registered = [] {
+  register_placement_rules("pointwise", {"aten::isin.Tensor_Tensor", "aten::isin.Tensor_Scalar"}, &isin);
   register_pointwise_default(&pointwise, /*outer_aware=*/true);
   register_placement_rules("pointwise",
                            {"aten::copy_", "aten::_to_copy", "aten::fill_", "aten::zero_", "aten::masked_fill_",

@@ -60,6 +60,8 @@ const std::unordered_map<std::string, Spec>& specs() {
       {"aten::any.dims", {Spec::kList, 1, 2, Reduce::kMax}},
       {"aten::all.dims", {Spec::kList, 1, 2, Reduce::kMin}},
       {"aten::any", {Spec::kAll, -1, -2, Reduce::kMax}},
+      {"aten::max", {Spec::kAll, -1, -2, Reduce::kMax}},
+      {"aten::min", {Spec::kAll, -1, -2, Reduce::kMin}},
       {"aten::all", {Spec::kAll, -1, -2, Reduce::kMin}},
       {"aten::argmax", {Spec::kOpt, 1, 2}},
       {"aten::argmin", {Spec::kOpt, 1, 2}},
@@ -247,7 +249,7 @@ const bool registered = [] {
        "aten::all.dim", "aten::any.dims", "aten::all.dims", "aten::any", "aten::all", "aten::argmax", "aten::argmin", "aten::max.dim",
        "aten::min.dim", "aten::kthvalue", "aten::median.dim", "aten::nanmedian.dim", "aten::mode", "aten::cumsum",
        "aten::cumprod", "aten::logcumsumexp", "aten::cummax", "aten::cummin", "aten::sort", "aten::sort.stable",
-       "aten::topk", "aten::flip"},
+       "aten::topk", "aten::flip", "aten::max.", "aten::min."},
       &reduction, /*outer_aware=*/true);
   register_placement_rules("softmax",
                            {"aten::_softmax", "aten::_log_softmax", "aten::_softmax_backward_data",

@@ -370,7 +370,9 @@ int32_t Analysis::buffer(LazyBuffer* b) {
   if (inserted) {
     BufInfo bi;
     bi.buf = b;
-    bi.resident = b->has_real() && !b->real_on_host;
+    // (Data in host memory — a value an earlier plan stored there — is data all the same: a batch-
+    // sharded source held there is read chunk by chunk from there, never bound to a fresh slot.)
+    bi.resident = b->has_real();
     bufs.push_back(bi);
   }
   return it->second;

@@ -287,6 +287,12 @@ std::string Plan::to_string(bool nodes) const {
   if (reused) os << " (reused: the program has the structure of an earlier one)";
   os << "\n";
   for (const std::string& n : notes) os << "  " << n << "\n";
+  if (!facts.empty()) {
+    int64_t bytes = 0;
+    for (const BatchFact& f : facts) bytes += static_cast<int64_t>(f.buf->nbytes.load());
+    os << "  " << facts.size() << (facts.size() == 1 ? " value keeps its" : " values keep their") << " batch for later plans ("
+       << format_bytes(bytes) << "), read chunk by chunk\n";
+  }
   for (size_t i = 0; i < stages.size(); ++i) {
     const Stage& st = stages[i];
     if (!st.loop) {

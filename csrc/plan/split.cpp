@@ -100,7 +100,7 @@ void SplitBuilder::decide_pending() {
       const BufInfo& bi = a_.bufs[b];
       if (!bi.place.is_s() || !bi.live || bi.needed || bi.resident || final_[b] == 0) continue;
       int32_t p = producer(static_cast<int32_t>(b), final_[b]);
-      if (p >= 0 && a_.nodes[p].loop) cand[b] = 1;
+      if (p >= 0 && a_.nodes[p].loop && !a_.nodes[p].node->kept) cand[b] = 1;
     }
   }
   for (int round = 0; round < 64; ++round) {
@@ -125,7 +125,8 @@ void SplitBuilder::decide_pending() {
         if (u.full_overwrite()) continue;
         int32_t q = producer(ni.use_buf[k], u.ref.version);
         const Mode m = ni.rr.ins[k].mode;
-        if (q >= 0 && a_.nodes[q].loop && m != Mode::kWhole) {
+        // (A value an earlier plan kept pending already is computed now and stored: not again.)
+        if (q >= 0 && a_.nodes[q].loop && m != Mode::kWhole && !a_.nodes[q].node->kept) {
           if (!retain_[q]) {
             retain_[q] = 1;
             work.push_back(q);
@@ -154,7 +155,7 @@ void SplitBuilder::decide_pending() {
         const Use& u = ni.node->uses[k];
         if (u.full_overwrite()) continue;
         int32_t q = producer(ni.use_buf[k], u.ref.version);
-        if (q >= 0 && retain_[q] && ni.rr.ins[k].mode != Mode::kWhole && a_.nodes[q].loop) {
+        if (q >= 0 && retain_[q] && ni.rr.ins[k].mode != Mode::kWhole && a_.nodes[q].loop && !a_.nodes[q].node->kept) {
           t = tainted[q];
         } else {
           t = bad_pins.count(vkey(ni.use_buf[k], u.ref.version)) > 0;

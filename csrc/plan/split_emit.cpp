@@ -377,7 +377,8 @@ void SplitBuilder::emit_facts() {
   plan_.facts.clear();
   for (size_t b = 0; b < a_.program_bufs; ++b) {
     const BufInfo& bi = a_.bufs[b];
-    if (!bi.place.is_s() || !((bi.live && !kept_[b]) || bi.needed)) continue;
+    // (Pinned: read by nodes kept pending, which a later plan runs: its source.)
+    if (!bi.place.is_s() || !((bi.live && !kept_[b]) || bi.needed || pinned_[b])) continue;
     if (!full_[b] && !bi.resident) continue;
     const uint32_t version = exec_final_[b] > 0 ? exec_final_[b] : bi.buf->real_version;
     if (version == 0) continue;

@@ -84,6 +84,7 @@ void record_stats(const Plan& plan, const ExecOutcome& out) {
 // out-of-memory error, every node that did not complete.
 size_t put_back(Segment& seg, Plan& plan, const ExecOutcome& out) {
   std::vector<int32_t> back(plan.retained.begin(), plan.retained.end());
+  for (int32_t i : plan.retained) seg.nodes[i]->kept = true;
   std::vector<NodePtr> synthesized; // each takes the place (and seq) of the node it was made for
   if (out.oom) {
     std::unordered_set<const Node*> undone;

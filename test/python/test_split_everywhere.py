@@ -548,3 +548,67 @@ def test_a_step_that_fits_keeps_eager_order():
     for g, e in zip(got, expected):
         assert torch.equal(g, e)
     assert "groups of tensors" not in torch_lazymem.explain(print_it=False)
+
+
+# ---- generation ----
+
+
+def causal_lm(kind, vocab):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(17)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return transformers.GPT2LMHeadModel(cfg).double().eval()
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg).double().eval()
+
+
+def generate(model, ids, dev, sample=False, tokens=6):
+    m = copy.deepcopy(model).to(dev)
+    torch.manual_seed(1)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = m.generate(ids.to(dev), attention_mask=torch.ones_like(ids).to(dev), max_new_tokens=tokens,
+                         do_sample=sample, top_k=5 if sample else None, pad_token_id=0)
+    return out.cpu()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_greedy_generation_splits_every_token(kind):
+    """A batch of 256 prompts whose KV cache and logits do not fit eager under the cap: each token's
+    program splits along the batch, the cache is kept batch-sharded between tokens (stored by one
+    token's plan, read chunk by chunk by the next's), and the tokens are eager's."""
+    model = causal_lm(kind, 1000)
+    ids = torch.randint(1, 1000, (256, 8), generator=torch.Generator().manual_seed(18))
+    cap = 4 * MiB if kind == "gpt2" else 2 * MiB
+    with memory_cap(cap), pytest.raises(torch.OutOfMemoryError):
+        generate(model, ids, "cpu")
+    expected = generate(model, ids, "cpu")
+    torch.lazymem.synchronize()
+    torch_lazymem.reset_stats()
+    with simulated_device(cap):
+        torch.lazymem.reset_peak_memory_stats()
+        got = generate(model, ids, "lazymem")
+        peak = torch.lazymem.max_memory_allocated()
+    stats = torch_lazymem.stats()
+    assert torch.equal(got, expected)
+    assert peak <= cap
+    assert stats["splits"] >= 6 and stats["barriers"] == 0, stats
+
+
+def test_sampled_generation_draws_from_each_rows_top_k():
+    """Sampling in a split plan draws per row (not eager's stream): each drawn token must be among
+    the top 5 of eager's logits for that row's prefix."""
+    model = causal_lm("gpt2", 1000)
+    ids = torch.randint(1, 1000, (256, 8), generator=torch.Generator().manual_seed(19))
+    with simulated_device(4 * MiB):
+        got = generate(model, ids, "lazymem", sample=True)
+    assert torch.equal(got[:, :8], ids)
+    with torch.no_grad():
+        logits = model(got).logits
+    top = logits[:, 7:-1].topk(5, dim=-1).indices
+    assert (top == got[:, 8:, None]).any(-1).all()
+    assert torch_lazymem.stats()["splits"] >= 6
