@@ -84,7 +84,7 @@ std::optional<Plan> nothing_runs(const PlanInput& in) {
 
 // A program over the budget whose per-tensor chains (an optimizer step's _foreach_ ops) run in
 // groups of tensors (plan/lanes.h): the fewest groups that fit, or as many as there are tensors.
-// The schedule and plan are replaced when that lowers the peak.
+// The schedule and plan are replaced unless that raises the peak.
 void group_lanes(const PlanInput& in, const std::vector<const Node*>& nodes, Schedule& s, Plan& plan) {
   const std::vector<LaneChain> chains = find_lane_chains(nodes, s);
   size_t most = 0;
@@ -96,7 +96,9 @@ void group_lanes(const PlanInput& in, const std::vector<const Node*>& nodes, Sch
     Plan p = whole_plan(in, t);
     p.predicted_peak = model_memory(p).peak(p);
     if (p.predicted_peak <= in.budget || groups >= most) {
-      if (p.predicted_peak < plan.predicted_peak) {
+      // (When even one tensor at a time does not make the whole fit, the batch is split next: its
+      // final whole stage, the step, then holds one tensor's temporaries.)
+      if (p.predicted_peak <= plan.predicted_peak) {
         p.notes = std::move(plan.notes);
         p.notes.push_back(describe_lane_groups(chains, groups) + " (the whole list at once does not fit)");
         s = std::move(t);

@@ -100,7 +100,8 @@ void SplitBuilder::decide_pending() {
       const BufInfo& bi = a_.bufs[b];
       if (!bi.place.is_s() || !bi.live || bi.needed || bi.resident || final_[b] == 0) continue;
       int32_t p = producer(static_cast<int32_t>(b), final_[b]);
-      if (p >= 0 && a_.nodes[p].loop && !a_.nodes[p].node->kept) cand[b] = 1;
+      // (An upload is read again from its host snapshot, however often it is kept pending.)
+      if (p >= 0 && a_.nodes[p].loop && (!a_.nodes[p].node->kept || is_upload(p))) cand[b] = 1;
     }
   }
   for (int round = 0; round < 64; ++round) {
@@ -126,7 +127,7 @@ void SplitBuilder::decide_pending() {
         int32_t q = producer(ni.use_buf[k], u.ref.version);
         const Mode m = ni.rr.ins[k].mode;
         // (A value an earlier plan kept pending already is computed now and stored: not again.)
-        if (q >= 0 && a_.nodes[q].loop && m != Mode::kWhole && !a_.nodes[q].node->kept) {
+        if (q >= 0 && a_.nodes[q].loop && m != Mode::kWhole && (!a_.nodes[q].node->kept || is_upload(q))) {
           if (!retain_[q]) {
             retain_[q] = 1;
             work.push_back(q);
@@ -155,7 +156,8 @@ void SplitBuilder::decide_pending() {
         const Use& u = ni.node->uses[k];
         if (u.full_overwrite()) continue;
         int32_t q = producer(ni.use_buf[k], u.ref.version);
-        if (q >= 0 && retain_[q] && ni.rr.ins[k].mode != Mode::kWhole && a_.nodes[q].loop && !a_.nodes[q].node->kept) {
+        if (q >= 0 && retain_[q] && ni.rr.ins[k].mode != Mode::kWhole && a_.nodes[q].loop &&
+            (!a_.nodes[q].node->kept || is_upload(q))) {
           t = tainted[q];
         } else {
           t = bad_pins.count(vkey(ni.use_buf[k], u.ref.version)) > 0;
