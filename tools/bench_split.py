@@ -1,9 +1,13 @@
 """Batch-splitting benchmark: lazymem vs eager on the simulated memory-capped device, in one run.
 
-Three models in float32 — an MLP (256-1024-1024-10), a small transformer classifier (token
-embedding, two pre-norm nn.TransformerEncoderLayer, mean pooling, linear head; 64 tokens of width
-64) and a BatchNorm CNN (training only) — the first two in inference (``torch.no_grad()``, logits read with ``.cpu()``) and training (forward,
-cross-entropy, ``backward``, AdamW ``step``, ``zero_grad``, ``loss.item()``). Eager runs under
+Models in float32 — an MLP (256-1024-1024-10), a small transformer classifier (token embedding, two
+pre-norm nn.TransformerEncoderLayer, mean pooling, linear head; 64 tokens of width 64) and a
+BatchNorm CNN (training only) — the first two in inference (``torch.no_grad()``, logits read with
+``.cpu()``) and training (forward, cross-entropy, ``backward``, AdamW ``step``, ``zero_grad``,
+``loss.item()``); the transformer again with ``clip_grad_norm_`` between backward and step; a
+transformers BERT classifier with an attention mask (padded sequences: the mask is checked inside the
+forward, a sync); a GPT-2 with the real 50,257-token vocabulary and the language-model loss written
+by hand (``cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))``). Eager runs under
 ``memory_cap(capacity)`` with its model, optimizer state and batch on the "device"; lazymem runs the
 same unmodified step under ``simulated_device(capacity)`` with the batch uploaded from host memory.
 
@@ -78,13 +82,19 @@ class TinyTransformer(nn.Module):
 class Case:
     name: str
     model: Callable[[], nn.Module]
-    inputs: Callable[[int, torch.Generator], torch.Tensor]
+    inputs: Callable[[int, torch.Generator], torch.Tensor | tuple[torch.Tensor, ...]]
     capacity: int
     training: bool
+    # The training loss of a batch (its tensors on the device); default: cross entropy of model(x), y.
+    loss: Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor] | None = None
+    clip: float | None = None  # clip_grad_norm_ between backward and step
 
-    def batch(self, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, rows: int, seed: int) -> tuple[torch.Tensor, ...]:
         g = torch.Generator().manual_seed(seed)
-        return self.inputs(rows, g), torch.randint(0, 10, (rows,), generator=g)
+        x = self.inputs(rows, g)
+        if isinstance(x, tuple):
+            return x
+        return x, torch.randint(0, 10, (rows,), generator=g)
 
 
 def mlp() -> nn.Module:
@@ -100,6 +110,36 @@ def bn_cnn() -> nn.Module:
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
 
 
+def bert() -> nn.Module:
+    import transformers
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=256, max_position_embeddings=64, num_labels=10,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return transformers.BertForSequenceClassification(cfg)
+
+
+def bert_batch(n: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    mask = torch.ones(n, 64, dtype=torch.long)
+    mask[::3, 40:] = 0  # padded sequences: the mask is checked (a sync) inside the forward
+    return torch.randint(0, 512, (n, 64), generator=g), mask, torch.randint(0, 10, (n,), generator=g)
+
+
+def gpt2_real_vocab() -> nn.Module:
+    import transformers
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def shifted_lm_loss(model: nn.Module, b: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    ids = b[0]
+    logits = model(input_ids=ids).logits
+    V = logits.shape[-1]
+    return F.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
+
+
 CASES = [
     Case("MLP inference", mlp, lambda n, g: torch.randn(n, 256, generator=g), 16 * MiB, False),
     Case("MLP training", mlp, lambda n, g: torch.randn(n, 256, generator=g), 32 * MiB, True),
@@ -108,6 +148,12 @@ CASES = [
     Case("transformer training", TinyTransformer, lambda n, g: torch.randint(0, 512, (n, 64), generator=g),
          32 * MiB, True),
     Case("BatchNorm CNN training", bn_cnn, lambda n, g: torch.randn(n, 3, 32, 32, generator=g), 32 * MiB, True),
+    Case("transformer training, clip_grad_norm_", TinyTransformer,
+         lambda n, g: torch.randint(0, 512, (n, 64), generator=g), 32 * MiB, True, clip=1.0),
+    Case("BERT training, attention mask", bert, bert_batch, 48 * MiB, True,
+         loss=lambda m, b: m(input_ids=b[0], attention_mask=b[1], labels=b[2]).loss),
+    Case("GPT-2 training, vocabulary 50,257, shifted loss by hand", gpt2_real_vocab,
+         lambda n, g: (torch.randint(0, 50257, (n, 32), generator=g),), 96 * MiB, True, loss=shifted_lm_loss),
 ]
 
 
@@ -126,15 +172,17 @@ class Runner:
     def cap(self) -> contextlib.AbstractContextManager[None]:
         return simulated_device(self.case.capacity) if self.lazy else memory_cap(self.case.capacity)
 
-    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+    def step(self, batch: tuple[torch.Tensor, ...]) -> float:
         """One step under the cap; returns the loss (training) or the logits' sum (inference)."""
         with self.cap():
-            x, y = (t.to("lazymem") for t in batch) if self.lazy else (t.clone() for t in batch)
+            b = tuple(t.to("lazymem") for t in batch) if self.lazy else tuple(t.clone() for t in batch)
             if not self.case.training:
                 with torch.no_grad():
-                    return float(self.model(x).cpu().double().sum())
-            loss = F.cross_entropy(self.model(x), y)
+                    return float(self.model(b[0]).cpu().double().sum())
+            loss = self.case.loss(self.model, b) if self.case.loss else F.cross_entropy(self.model(b[0]), b[1])
             loss.backward()
+            if self.case.clip is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.case.clip)
             assert self.opt is not None
             self.opt.step()
             self.opt.zero_grad()
