@@ -160,7 +160,7 @@ void note_unsplit_facts(const std::vector<Node*>& nodes, const Schedule& s, cons
                         Plan& plan);
 
 // The split plan's notes: batch and passes, barriers and why, what stays pending, what is stored in
-// host memory; and its batch and barrier count (plan/plan.cpp).
+// host memory; and its batch and barrier count (plan/notes.cpp).
 void note_split(Plan& plan, const Analysis& a);
 
 // Assigns each running node a stage. Stages cycle through kinds: a whole stage (nodes run once),

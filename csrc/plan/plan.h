@@ -1,8 +1,8 @@
-// plan: the Plan — plain data that tells execute/ everything it does, and the planner's entry
-// point. A plan is a sequence of stages: whole stages run nodes once on whole buffers (every
-// unsplit materialization is one whole stage); loop stages run their nodes chunk by chunk along the
-// batch, binding each operand to the chunk's rows, a chunk-local storage or a partial, then finish
-// partial results into accumulators. Every per-node decision (bindings, argument rewrites, which
+// plan: the Plan — plain data that tells execute/ everything it does (the planner's entry point,
+// make_plan, is plan/planner.h). A plan is a sequence of stages: whole stages run nodes once on
+// whole buffers (every unsplit materialization is one whole stage); loop stages run their nodes
+// chunk by chunk along the batch, binding each operand to the chunk's rows, a chunk-local storage or
+// a partial, then finish partial results into accumulators. Every per-node decision (bindings, argument rewrites, which
 // overload runs, what is accumulated, stored, released, retained) is made here, so execute/ never
 // consults op rules. Pure: no device, no kernels; tested without a device.
 #pragma once

@@ -125,6 +125,8 @@ struct Score {
   bool operator<(const Score& o) const {
     if (held != o.held) return held < o.held;
     if (barriers != o.barriers) return barriers < o.barriers;
+    // A batch-sharded value read whole is uploaded in chunks only to be assembled: no gain.
+    if (whole_reads != o.whole_reads) return whole_reads < o.whole_reads;
     return batches < o.batches;
   }
   bool clean() const {
@@ -145,11 +147,11 @@ Score score(const Analysis& a) {
     const NodeInfo& ni = a.nodes[i];
     const Node& n = *ni.node;
     s.barriers += ni.barrier;
+    if (ni.loop && ni.batch >= 0) loops[a.find(ni.batch)] = 1;
     if (n.upload) {
       if (!n.uses.empty() && !a.bufs[ni.use_buf[0]].place.is_s()) hold(ni.use_buf[0]);
       continue;
     }
-    if (ni.loop && ni.batch >= 0) loops[a.find(ni.batch)] = 1;
     for (size_t j = 0; j < n.defs.size(); ++j) {
       if (!ni.discard[j] && ni.rr.outs[j].is_r()) hold(ni.def_buf[j]);
     }

@@ -57,7 +57,7 @@ CASES = {
     "linf_over_batch": (lambda x: x / torch.linalg.vector_norm(x, float("inf"), dim=0), 2),
     "l3_over_all": (lambda x: x / torch.linalg.vector_norm(x, 3, dim=(0, 1), keepdim=True), 2),
     "l1_over_batch": (lambda x: torch.linalg.vector_norm(x, 1, dim=0), 1),
-    "contrastive_z_zT": (contrastive, 2),
+    "contrastive_z_zT": (contrastive, 1),  # z read whole by z.T either way: it is not a batch, arange is
     "clip_symmetric": (clip_loss, 2),
     "simclr_cat_views": (simclr, 2),
     "cat_along_batch": (lambda x: torch.cat([x, x * 2, x.exp()], 0).sin(), 1),

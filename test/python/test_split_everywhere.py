@@ -612,3 +612,107 @@ def test_sampled_generation_draws_from_each_rows_top_k():
     top = logits[:, 7:-1].topk(5, dim=-1).indices
     assert (top == got[:, 8:, None]).any(-1).all()
     assert torch_lazymem.stats()["splits"] >= 6
+
+
+# ---- what remains a barrier (the README's table): exact, and counted ----
+
+
+def _perm_write(x):
+    h = x.sin()
+    h[torch.arange(x.shape[0] - 1, -1, -1, device=x.device)] = h.cos()
+    return h.exp()
+
+
+def _index_add(x):
+    idx = torch.arange(x.shape[0], device=x.device) // 2
+    return torch.zeros_like(x).index_add_(0, idx, x.sin()).exp()
+
+
+def _scatter(x):
+    idx = (torch.arange(x.shape[0], device=x.device) * 7 % x.shape[0])[:, None].expand_as(x)
+    return x.cos().scatter(0, idx, x.sin()).exp()
+
+
+BARRIERS = {
+    "cumsum": lambda x: x.sin().cumsum(0).exp(),
+    "prod": lambda x: x.sin().prod(0) + x,
+    "median": lambda x: x.sin().median(0).values + x,
+    "argmax": lambda x: x.sin().argmax(0) + x,
+    "sort": lambda x: x.sin().sort(0).values.exp(),
+    "topk": lambda x: x.sin().topk(3, 0).values.sum(0) + x,
+    "index_add": _index_add,
+    "scatter": _scatter,
+    "perm_write": _perm_write,
+}
+
+
+def _marked_run(fn, x, chunks=3):
+    torch_lazymem.reset_stats()
+    with force_chunks(chunks):
+        xl = x.to("lazymem")
+        torch_lazymem.mark_batch(xl, 0)
+        got = fn(xl).cpu()
+    return got, torch_lazymem.stats()
+
+
+@pytest.mark.parametrize("name", list(BARRIERS))
+def test_a_documented_barrier_runs_whole_and_exactly(name):
+    x = torch.randn(24, 6, dtype=D, generator=torch.Generator().manual_seed(20))
+    got, stats = _marked_run(BARRIERS[name], x)
+    torch.testing.assert_close(got, BARRIERS[name](x).to(D))
+    assert stats["splits"] >= 1 and stats["barriers"] >= 1, stats
+
+
+def test_unbind_along_the_batch_does_not_split_and_stays_exact():
+    x = torch.randn(24, 6, dtype=D, generator=torch.Generator().manual_seed(21))
+
+    def fn(t):
+        return torch.stack([r.sin() * 2 for r in t.unbind(0)]).exp()
+    got, stats = _marked_run(fn, x)
+    torch.testing.assert_close(got, fn(x))
+    assert stats["splits"] == 0
+
+
+def test_scale_grad_by_freq_embedding_backward_is_a_barrier():
+    ids = torch.randint(0, 10, (24, 5), generator=torch.Generator().manual_seed(22))
+    emb = nn.Embedding(10, 4, scale_grad_by_freq=True).double()
+    lazy = copy.deepcopy(emb).to("lazymem")
+    emb(ids).sin().sum().backward()
+    torch_lazymem.reset_stats()
+    with force_chunks(3):
+        lazy(ids.to("lazymem")).sin().sum().backward()
+        grad = lazy.weight.grad.cpu()
+    torch.testing.assert_close(grad, emb.weight.grad)
+    assert torch_lazymem.stats()["barriers"] >= 1
+
+
+# Idioms once listed as barriers that split now, with no op run whole.
+NOT_BARRIERS = {
+    "logsumexp": lambda x: torch.logsumexp(x.sin(), 0) + x.cos(),
+    "select_a_row": lambda x: x.sin()[3] * x.cos(),
+    "slices_into_a_fresh_value": lambda x: torch.cat([x[:10].sin(), x[10:].cos()]).exp(),
+    "mask_over_columns": lambda x: x.sin()[:, torch.tensor([True, False, True, False, True, True], device=x.device)],
+}
+
+
+@pytest.mark.parametrize("name", list(NOT_BARRIERS))
+def test_idioms_that_split_with_no_barrier(name):
+    x = torch.randn(24, 6, dtype=D, generator=torch.Generator().manual_seed(23))
+    got, stats = _marked_run(NOT_BARRIERS[name], x)
+    torch.testing.assert_close(got, NOT_BARRIERS[name](x))
+    assert stats["splits"] >= 1 and stats["barriers"] == 0, stats
+
+
+def test_batch_norm_over_a_batch_that_is_not_dim_0_of_the_upload():
+    x = torch.randn(6, 24, 5, dtype=D, generator=torch.Generator().manual_seed(24))
+    bn = nn.BatchNorm1d(6).double()
+    lazy = copy.deepcopy(bn).to("lazymem")
+    expected = bn(x.transpose(0, 1)).sin().sum()
+    torch_lazymem.reset_stats()
+    with force_chunks(3):
+        xl = x.to("lazymem")
+        torch_lazymem.mark_batch(xl, 1)
+        got = lazy(xl.transpose(0, 1)).sin().sum().cpu()
+    torch.testing.assert_close(got, expected)
+    stats = torch_lazymem.stats()
+    assert stats["splits"] >= 1 and stats["barriers"] == 0, stats
