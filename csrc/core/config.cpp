@@ -26,6 +26,7 @@ std::map<std::string, int64_t> Stats::snapshot() const {
       {"materializations", ld(materializations)},
       {"nodes_executed", ld(nodes_executed)},
       {"nodes_eliminated", ld(nodes_eliminated)},
+      {"nodes_collected", ld(nodes_collected)},
       {"peak_bytes", ld(peak_bytes)},
       {"auto_flushes", ld(auto_flushes)},
       {"outputs_copied", ld(outputs_copied)},
@@ -56,6 +57,7 @@ void Stats::reset() {
   materializations = 0;
   nodes_executed = 0;
   nodes_eliminated = 0;
+  nodes_collected = 0;
   peak_bytes = 0;
   auto_flushes = 0;
   outputs_copied = 0;

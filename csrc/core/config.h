@@ -20,6 +20,7 @@ struct Stats {
   std::atomic<uint64_t> materializations{0}; // flushes that ran at least one node
   std::atomic<uint64_t> nodes_executed{0};
   std::atomic<uint64_t> nodes_eliminated{0};
+  std::atomic<uint64_t> nodes_collected{0}; // pending nodes dropped because nobody could read them
   std::atomic<int64_t> peak_bytes{0};        // peak device bytes during the last materialization
   std::atomic<uint64_t> auto_flushes{0};
   std::atomic<uint64_t> outputs_copied{0};   // kernel results copied into their buffer (layout differed)

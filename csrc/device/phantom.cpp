@@ -16,6 +16,8 @@ namespace {
 void delete_handle(void* ctx) {
   auto* b = static_cast<LazyBuffer*>(ctx);
   b->storage_alive.store(false, std::memory_order_release);
+  // Data nobody can name any more, kept by pending nodes that may be dead too: worth a sweep.
+  if (b->holds_data.load(std::memory_order_relaxed) && c10::raw::intrusive_ptr::use_count(b) > 1) note_dead_pinned();
   c10::intrusive_ptr<LazyBuffer>::reclaim(b); // drops the DataPtr's reference
 }
 

@@ -61,11 +61,15 @@ struct LazyBuffer : c10::intrusive_ptr_target {
   uint32_t pending_writes = 0;   // pending nodes that write it (defs and in-place writes)
   uint32_t tape_number = 0;      // its number in the Program's tape (ir/tape.h) while tape_stamp is the tape's
   uint64_t tape_stamp = 0;
+  uint64_t sweep_stamp = 0;      // Program::collect_dead's scratch
 
   const uint64_t id;
   // Cleared by the phantom DataPtr deleter when no tensor or storage refers to the buffer any more.
   // Once false it never becomes true again: nothing can name the buffer to read it.
   std::atomic<bool> storage_alive{true};
+  // True while the buffer holds data of its own (real storage, or a pending upload's host snapshot):
+  // its death while a pending node still names it is worth a sweep (Program::collect_dead).
+  std::atomic<bool> holds_data{false};
 
   bool has_real() const {
     return static_cast<bool>(real);
@@ -75,6 +79,11 @@ struct LazyBuffer : c10::intrusive_ptr_target {
 };
 
 using BufferPtr = c10::intrusive_ptr<LazyBuffer>;
+
+// The phantom deleter counts buffers that die holding data while something else (a pending node)
+// still refers to them; Program::collect_dead() sweeps when the count moved since its last sweep.
+void note_dead_pinned();
+uint64_t dead_pinned_count();
 
 // Number of buffers currently holding real data (for safe backing-device changes).
 int64_t buffers_with_real_data();

@@ -6,6 +6,7 @@
 #include <unordered_map>
 
 #include "core/check.h"
+#include "core/config.h"
 
 namespace lazymem {
 
@@ -56,6 +57,7 @@ uint64_t Program::append(NodePtr node) {
     if (!u.write) continue;
     u.write_version = ++u.ref.buf->version;
     u.ref.buf->last_writer_seq = seq;
+    if (node->upload) u.ref.buf->holds_data.store(true, std::memory_order_relaxed);
     if (node->upload && u.full_overwrite()) {
       LazyBuffer& b = *u.ref.buf;
       b.upload_version = u.write_version;
@@ -110,9 +112,61 @@ uint64_t Program::last_seq() {
   return pending_.empty() ? 0 : pending_.back()->seq;
 }
 
+size_t Program::collect_dead() {
+  std::vector<NodePtr> dead; // destroyed after the lock: their buffers' storage goes with them
+  std::lock_guard<std::mutex> lock(mu_);
+  collect_dead_locked(dead);
+  return dead.size();
+}
+
+void Program::collect_dead_locked(std::vector<NodePtr>& dead) {
+  const uint64_t count = dead_pinned_count();
+  if (count == swept_at_ || pending_.empty()) return;
+  swept_at_ = count;
+  // Backwards: a node is dead when nothing can read what it writes — every buffer it writes has
+  // lost its last tensor and no later node that stays reads it — and it has no effect of its own
+  // (random nodes advance their generator; effectful ones assert). Its reads then stop mattering.
+  static std::atomic<uint64_t> stamps{0};
+  const uint64_t stamp = stamps.fetch_add(1, std::memory_order_relaxed) + 1;
+  std::vector<char> drop(pending_.size(), 0);
+  size_t dropped = 0;
+  auto unread = [&](const LazyBuffer* b) {
+    return b->sweep_stamp != stamp && !b->storage_alive.load(std::memory_order_acquire);
+  };
+  for (size_t i = pending_.size(); i-- > 0;) {
+    const Node& n = *pending_[i];
+    bool is_dead = !n.random && !n.effectful;
+    for (const Def& d : n.defs) is_dead = is_dead && unread(d.ref.buf.get());
+    for (const Use& u : n.uses) is_dead = is_dead && (!u.write || unread(u.ref.buf.get()));
+    if (is_dead) {
+      drop[i] = 1;
+      ++dropped;
+      continue;
+    }
+    for (const Use& u : n.uses) u.ref.buf->sweep_stamp = stamp;
+  }
+  if (!dropped) return;
+  std::deque<NodePtr> kept;
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    if (!drop[i]) {
+      kept.push_back(std::move(pending_[i]));
+      continue;
+    }
+    pending_bytes_ -= def_bytes(*pending_[i]);
+    note_pending_writes(*pending_[i], -1);
+    dead.push_back(std::move(pending_[i]));
+  }
+  pending_ = std::move(kept);
+  pending_size_.store(pending_.size(), std::memory_order_relaxed);
+  retape();
+  stats().nodes_collected.fetch_add(dropped, std::memory_order_relaxed);
+}
+
 Segment Program::take_prefix(uint64_t upto) {
   Segment seg;
+  std::vector<NodePtr> dead;
   std::lock_guard<std::mutex> lock(mu_);
+  collect_dead_locked(dead);
   while (!pending_.empty() && pending_.front()->seq <= upto) {
     pending_bytes_ -= def_bytes(*pending_.front());
     note_pending_writes(*pending_.front(), -1);

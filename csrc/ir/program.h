@@ -59,6 +59,11 @@ class Program {
     return pending_bytes_.load(std::memory_order_relaxed);
   }
 
+  // Drops pending nodes nobody can read (every buffer they write lost its last tensor and nothing
+  // that stays reads it), freeing the data they pinned, when a buffer holding data died since the
+  // last sweep (cheap otherwise). Run at each sync and by memory queries. Returns the nodes dropped.
+  size_t collect_dead();
+
   // Detaches pending nodes with seq <= upto (all of them if upto is past the end).
   Segment take_prefix(uint64_t upto);
   // Puts back nodes of a detached prefix that the plan leaves pending (kept for later, or not run
@@ -80,6 +85,8 @@ class Program {
   Tape tape_;
   Tape spare_tape_;
   void retape();
+  void collect_dead_locked(std::vector<NodePtr>& dead);
+  uint64_t swept_at_ = 0;
   uint64_t next_seq_ = 1;
   std::atomic<uint64_t> pending_bytes_{0};
   std::atomic<size_t> pending_size_{0};

@@ -65,6 +65,8 @@ bool backing_is_cpu() {
 }
 
 int64_t memory_allocated() {
+  // Pending work whose results nobody can read frees what it pins now, not at the next sync.
+  Program::get().collect_dead();
   return backing_is_cpu() ? device_counter().allocated() : resident_bytes();
 }
 
