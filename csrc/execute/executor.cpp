@@ -119,7 +119,13 @@ class Walker {
   // The node's transient bytes beyond what it left allocated (its outputs): its workspace.
   void learn(const PlannedNode& pn, int64_t rows) {
     int64_t ws = device_counter().node_peak() - device_counter().allocated();
-    if (ws > 0) Workspace::get().observe(workspace_key(pn), &pn.op.schema(), rows, ws);
+    if (ws > 0 && Workspace::get().observe(workspace_key(pn), &pn.op.schema(), rows, ws)) note_learned(pn, rows, ws, "");
+  }
+
+  static void note_learned(const PlannedNode& pn, int64_t rows, int64_t ws, const char* how) {
+    if (config().debug < 2) return;
+    std::fprintf(stderr, "[lazymem] workspace of %s at %lld rows: %s%s\n", pn.node->describe().c_str(),
+                 static_cast<long long>(rows), format_bytes(ws).c_str(), how);
   }
 
   // Whether running `pn` keeps the execution restartable (ExecOutcome::restartable).
@@ -152,7 +158,9 @@ class Walker {
       }
     }
     const int64_t ws = device_counter().node_peak() - node_start_ - outputs;
-    return ws > 0 && Workspace::get().observe(workspace_key(pn), &pn.op.schema(), rows, ws);
+    if (ws <= 0 || !Workspace::get().observe(workspace_key(pn), &pn.op.schema(), rows, ws, /*bound=*/true)) return false;
+    note_learned(pn, rows, ws, " at least (the allocation past it was refused)");
+    return true;
   }
 
   bool run_whole(const Stage& st, size_t s) {

@@ -310,6 +310,13 @@ ChunkChoice choose_chunks(Plan& plan, int64_t budget, int64_t forced, std::vecto
         os << ": at " << where->node->describe() << " " << format_bytes(where->bytes)
            << " must be held whatever the chunk size";
       }
+      // Only the loops do not fit, by a model that may overestimate what a kernel needs: those run
+      // one row per chunk (chosen above) rather than whole, which surely needs more; that run decides.
+      if (!ok && model.over(budget).empty()) {
+        plan.last_resort = true;
+        plan.notes.push_back(os.str() + " by the memory model; as a last resort the loop runs one row per chunk");
+        return ChunkChoice::kFits;
+      }
       notes.push_back(os.str());
       return ChunkChoice::kNoFit;
     }

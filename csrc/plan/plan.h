@@ -195,6 +195,10 @@ struct Plan {
   std::vector<NodePtr> owned;              // nodes the planner synthesized (never put back)
   uint64_t template_id = 0;                // the plan cache's entry it came from or went to (0: none)
   bool reused = false;                     // instantiated from the plan cache (plan/reuse.h)
+  // No chunk size fits by the memory model, yet everything outside the loops does: the loops run
+  // one row per chunk (the model may overestimate a kernel's workspace; if one row runs out of
+  // memory too, the error is raised without planning again).
+  bool last_resort = false;
   // Text form: what splits and why, passes, chunks, where each batch-sharded value lives, partials
   // and their finishes; with `nodes`, every node with its bindings.
   std::string to_string(bool nodes = false) const;

@@ -58,21 +58,25 @@ bool Workspace::known_op(const c10::FunctionSchema* op) const {
   return ops_.count(op) > 0;
 }
 
-bool Workspace::observe(uint64_t key, const c10::FunctionSchema* op, int64_t rows, int64_t bytes) {
+bool Workspace::observe(uint64_t key, const c10::FunctionSchema* op, int64_t rows, int64_t bytes, bool bound) {
   std::lock_guard<std::mutex> lock(mu_);
   ops_.insert(op);
   Seen& s = seen_[key];
+  int completed = 0;
+  for (int i = 0; i < s.n; ++i) completed += !s.bound[i];
   for (int i = 0; i < s.n; ++i) {
     if (s.rows[i] != rows) continue;
-    if (bytes <= s.bytes[i]) return false;
-    s.bytes[i] = bytes;
+    // A completed run where only a bound was known anchors the line even if it needed less.
+    const bool anchors = !bound && s.bound[i];
+    if (bytes <= s.bytes[i] && !anchors) return false;
+    s.bytes[i] = std::max(bytes, s.bytes[i]);
+    s.bound[i] = s.bound[i] && bound;
     generation_.fetch_add(1, std::memory_order_relaxed);
     return true;
   }
-  if (s.n >= 2) {
-    const Affine a = line(s);
-    if (bytes <= a.alpha + a.beta * rows) return false; // covered already
-  }
+  // Below the line, an observation teaches nothing, except one of the first two completed runs.
+  const Affine a = line(s);
+  if (s.n > 0 && bytes <= a.alpha + a.beta * rows && (bound || completed >= 2)) return false;
   int at = s.n;
   if (s.n == kPoints) {
     // Full: the new point replaces the one nearest to it in rows (the least information lost).
@@ -85,6 +89,7 @@ bool Workspace::observe(uint64_t key, const c10::FunctionSchema* op, int64_t row
   }
   s.rows[at] = rows;
   s.bytes[at] = bytes;
+  s.bound[at] = bound;
   generation_.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
@@ -92,18 +97,20 @@ bool Workspace::observe(uint64_t key, const c10::FunctionSchema* op, int64_t row
 Workspace::Affine Workspace::line(const Seen& s) {
   auto ceil_div = [](int64_t a, int64_t b) { return a <= 0 ? int64_t{0} : (a + b - 1) / b; };
   if (s.n == 0) return {};
-  if (s.n == 1) {
-    // One observation: whole (rows 0) is a constant; a chunk's scales with its rows.
-    if (s.rows[0] == 0) return {s.bytes[0], 0};
-    return {0, ceil_div(s.bytes[0], s.rows[0])};
+  // The anchor: the completed run of fewest rows once two runs completed, else the origin (one
+  // run, or only bounds: a workspace that scales with the rows).
+  int anchor = -1, completed = 0;
+  for (int i = 0; i < s.n; ++i) {
+    if (s.bound[i]) continue;
+    ++completed;
+    if (anchor < 0 || s.rows[i] < s.rows[anchor]) anchor = i;
   }
-  // The slope between the fewest and the most rows seen (never decreasing), shifted up to cover all.
-  int lo = 0, hi = 0;
-  for (int i = 1; i < s.n; ++i) {
-    if (s.rows[i] < s.rows[lo]) lo = i;
-    if (s.rows[i] > s.rows[hi]) hi = i;
+  if (completed == 1 && s.rows[anchor] > 0) anchor = -1;
+  const int64_t r0 = anchor < 0 ? 0 : s.rows[anchor], b0 = anchor < 0 ? 0 : s.bytes[anchor];
+  int64_t beta = 0;
+  for (int i = 0; i < s.n; ++i) {
+    if (s.rows[i] > r0) beta = std::max(beta, ceil_div(s.bytes[i] - b0, s.rows[i] - r0));
   }
-  const int64_t beta = ceil_div(s.bytes[hi] - s.bytes[lo], s.rows[hi] - s.rows[lo]);
   int64_t alpha = 0;
   for (int i = 0; i < s.n; ++i) alpha = std::max(alpha, s.bytes[i] - beta * s.rows[i]);
   return {alpha, beta};

@@ -3,8 +3,12 @@
 // measures it on every run that has any, and the memory model adds it to the node's live bytes the
 // next time the same op runs on the same shapes. Keys name the op, every operand's geometry with the
 // batch dim marked, and the scalar arguments; per key, the observations at different chunk sizes
-// give workspace = alpha + beta * rows (one observation at rows > 0 scales with the rows), a line
-// above every observation.
+// give workspace = alpha + beta * rows, a line above every observation. A run that completed measured
+// the workspace at its rows; a run refused an allocation learned only a lower bound there (what it
+// had plus what it asked for, which stops short of the rest of the kernel). The line goes through
+// the completed run of fewest rows (the origin until two runs completed: a workspace that scales
+// with the rows) with the least slope that covers every other observation, so a bound learned at a
+// large chunk never becomes a constant that no chunk size escapes.
 #pragma once
 
 #include <atomic>
@@ -23,8 +27,9 @@ class Workspace {
 
   // Whether any run of `op` ever needed workspace (a fast check before computing keys).
   bool known_op(const c10::FunctionSchema* op) const;
-  // Records `bytes` of workspace at `rows`; true if that raised what is known there.
-  bool observe(uint64_t key, const c10::FunctionSchema* op, int64_t rows, int64_t bytes);
+  // Records `bytes` of workspace at `rows` (`bound`: at least that many, from a refused allocation);
+  // true if that changed what is predicted.
+  bool observe(uint64_t key, const c10::FunctionSchema* op, int64_t rows, int64_t bytes, bool bound = false);
   // Distinct chunk sizes remembered per key.
   static constexpr int kPoints = 8;
   struct Affine {
@@ -41,14 +46,16 @@ class Workspace {
   }
 
  private:
-  // Distinct row counts observed (the most a chunk size of each was seen to need). The first two are
-  // kept whatever they are (the line's first estimate); after that only an observation above the
-  // prediction is kept, so a key run at many chunk sizes (the same layer in passes of different
-  // chunk sizes, a recomputed node) stops changing the model once the model covers them all.
+  // Distinct row counts observed (the most a chunk size of each was seen to need). The first two
+  // completed runs are kept whatever they are (the line's first estimate); after that only an
+  // observation above the prediction is kept, so a key run at many chunk sizes (the same layer in
+  // passes of different chunk sizes, a recomputed node) stops changing the model once the model
+  // covers them all.
   struct Seen {
     int n = 0;
     int64_t rows[kPoints] = {};
     int64_t bytes[kPoints] = {};
+    bool bound[kPoints] = {};
   };
   static Affine line(const Seen& s);
   mutable std::mutex mu_;

@@ -203,7 +203,9 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   // Out of memory because a kernel needed more workspace than known: a new plan knows it now. From
   // the start when nothing irreversible ran (the leaves are still there to split by), else from
   // where it stopped.
-  const bool retry = out.oom && attempt < kMaxReplans && (out.oom_learned || out.executed > 0 || attempt == 0);
+  // A last resort that ran out of memory too (one row per chunk) is not planned again.
+  const bool retry = out.oom && attempt < kMaxReplans &&
+                     (attempt == 0 || (!plan.last_resort && (out.oom_learned || out.executed > 0)));
   size_t pending = retry && out.restartable ? put_back_all(seg, out.epoch) : put_back(seg, plan, out);
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   const double plan_ms = std::chrono::duration<double, std::milli>(planned - t0).count();

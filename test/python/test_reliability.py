@@ -110,3 +110,46 @@ def test_random_and_live_work_is_kept():
         draws.append(torch.rand(4, device="lazymem").cpu())
     torch.testing.assert_close(draws[0], draws[1], rtol=0, atol=0)
     torch.testing.assert_close(v.cpu(), (x * 2)[4:9])
+
+
+class TinyEncoder(nn.Module):
+    """bench_split's TinyTransformer: the fused encoder-layer fast path in inference, whose kernel
+    allocates several times its output inside."""
+
+    def __init__(self, vocab=512, seq=64, d=64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        layer = nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, ids):
+        return self.head(self.encoder(self.embed(ids) + self.pos).mean(1))
+
+
+def test_a_step_after_refused_allocations_plans_a_chunk_that_fits():
+    """Defect 2's repro: the first step's kernel was refused at 392 and 196 rows; what it learned there
+    (lower bounds) made a flat line, a constant no chunk size escaped, and the next step raised out of
+    memory after planning again four times. Every step now completes within the capacity, the later
+    ones without a retry, equal to eager."""
+    cap = 16 * MiB
+    torch.manual_seed(0)
+    model = TinyEncoder().eval()
+    lazy = TinyEncoder().eval()
+    lazy.load_state_dict(model.state_dict())
+    lazy = lazy.to("lazymem")
+    settle()
+    torch_lazymem._C._clear_workspace()
+    with torch.no_grad(), simulated_device(cap):
+        for s in range(3):
+            ids = torch.randint(0, 512, (784, 64), generator=torch.Generator().manual_seed(s))
+            torch_lazymem.reset_stats()
+            torch.lazymem.reset_peak_memory_stats()
+            got = lazy(ids.to("lazymem")).cpu()
+            assert torch.lazymem.max_memory_allocated() <= cap
+            stats = torch_lazymem.stats()
+            assert stats["splits"] >= 1
+            if s > 0:
+                assert stats["oom_retries"] == 0, (s, stats)
+            torch.testing.assert_close(got, model(ids))

@@ -54,5 +54,31 @@ TEST(Workspace, AFullTableKeepsCoveringWhatItKept) {
   EXPECT_GE(predict(key, 3 * Workspace::kPoints), 9 * Workspace::kPoints * Workspace::kPoints);
 }
 
+
+TEST(Workspace, BoundsFromRefusedAllocationsScaleWithTheRows) {
+  // Issue 21, defect 2: a kernel refused at 392 and at 196 rows learned the same lower bound (what it
+  // held when the allocation past it was refused). Before, the line through them was flat: that
+  // bound became a constant no chunk size escaped, and the next step raised out of memory.
+  Workspace& w = Workspace::get();
+  const uint64_t key = kKey + 4;
+  EXPECT_TRUE(w.observe(key, kOp, 392, 19'000'000, /*bound=*/true));
+  EXPECT_TRUE(w.observe(key, kOp, 196, 19'000'000, /*bound=*/true));
+  EXPECT_GE(predict(key, 196), 19'000'000);
+  EXPECT_LE(predict(key, 98), 9'600'000); // scales with the rows: half the chunk, half the bound
+  // A run that completed at 98 rows anchors the line, even below what the bounds predicted there.
+  EXPECT_TRUE(w.observe(key, kOp, 98, 11'000'000));
+  EXPECT_GE(predict(key, 98), 11'000'000);
+  EXPECT_GE(predict(key, 112), 112 * (11'000'000 / 98)); // proportional from one completed run
+  EXPECT_EQ(w.predict(key).alpha, 0);
+  // A second completed run: the line through the one of fewest rows, covering everything.
+  EXPECT_TRUE(w.observe(key, kOp, 56, 6'300'000));
+  for (auto [rows, bytes] : {std::pair<int64_t, int64_t>{56, 6'300'000}, {98, 11'000'000}, {196, 19'000'000}}) {
+    EXPECT_GE(predict(key, rows), bytes) << rows;
+  }
+  EXPECT_LT(predict(key, 8), 2'000'000);
+  // A bound below the line teaches nothing.
+  EXPECT_FALSE(w.observe(key, kOp, 150, 1'000'000, /*bound=*/true));
+}
+
 } // namespace
 } // namespace lazymem::testing
