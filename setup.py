@@ -5,7 +5,10 @@ Install with ``pip install --no-build-isolation -e .`` so the build uses the tor
 """
 
 import glob
+import hashlib
 import os
+import subprocess
+import sysconfig
 
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension, include_paths, library_paths
@@ -14,6 +17,16 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 CORE_DIRS = ["core", "ir", "ops", "plan", "execute", "device", "record", "record/composite", "sync"]
 CORE_NAME = "torch_lazymem.lib.lazymem_core"
 CXX_FLAGS = ["-O2", "-g0", "-fvisibility-inlines-hidden", "-Wall", "-Wno-unused-parameter", "-Wno-unused-function"]
+LINK_FLAGS = []
+# LAZYMEM_SANITIZE=address: AddressSanitizer + UndefinedBehaviorSanitizer (tools/test.sh --sanitize
+# builds this way into build/asan and runs the tests with the runtimes preloaded). vptr checks are
+# off: torch's libraries are not built with them, and their type info is not ours to check.
+if os.environ.get("LAZYMEM_SANITIZE") == "address":
+    SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize=vptr", "-fno-omit-frame-pointer"]
+    CXX_FLAGS = ["-O1", "-g"] + [f for f in CXX_FLAGS if f not in ("-O2", "-g0")] + SANITIZE
+    LINK_FLAGS = SANITIZE
+elif os.environ.get("LAZYMEM_SANITIZE"):
+    raise SystemExit(f"LAZYMEM_SANITIZE={os.environ['LAZYMEM_SANITIZE']!r}: only 'address' is supported")
 
 
 def _sources(*dirs):
@@ -31,6 +44,7 @@ core = CppExtension(
     # libtorch only: the core must load without Python (GoogleTest links it too).
     libraries=["c10", "torch_cpu", "torch"],
     extra_compile_args={"cxx": CXX_FLAGS},
+    extra_link_args=LINK_FLAGS,
 )
 # CppExtension adds torch_python; the core does not use it.
 core.libraries = [lib for lib in core.libraries if lib != "torch_python"]
@@ -41,7 +55,7 @@ module = CppExtension(
     include_dirs=[os.path.join(ROOT, "csrc")],
     libraries=["lazymem_core"],
     extra_compile_args={"cxx": CXX_FLAGS},
-    extra_link_args=["-Wl,-rpath,$ORIGIN/lib"],
+    extra_link_args=["-Wl,-rpath,$ORIGIN/lib"] + LINK_FLAGS,
 )
 
 
@@ -68,9 +82,37 @@ class Build(BuildExtension):
         base = self.build_temp
         self.build_temp = os.path.join(base, ext.name.rsplit(".", 1)[-1])
         try:
+            if ext.name == CORE_NAME:
+                self.precompile_header(ext)
             super().build_extension(ext)
         finally:
             self.build_temp = base
+
+    def precompile_header(self, ext):
+        """Compiles csrc/core/precompiled.h with the core's exact flags (BuildExtension has added its
+        own to extra_compile_args by now) and force-includes it in every file of the core: torch's
+        headers are parsed once, not once per file (half the build time). GCC uses the .gch only when
+        it matches the flags; otherwise it reads the header itself (-Winvalid-pch says so)."""
+        flags = [f for f in ext.extra_compile_args["cxx"] if f not in ("-include", "-Winvalid-pch") and
+                 not f.endswith("lazymem_pch.h")]
+        pch_dir = os.path.abspath(os.path.join(self.build_temp, "pch"))
+        header = os.path.join(pch_dir, "lazymem_pch.h")
+        includes = [f"-I{d}" for d in list(ext.include_dirs) + include_paths() + [sysconfig.get_paths()["include"]]]
+        cmd = ["c++"] + self.compiler.compiler_so[1:] + includes + ["-x", "c++-header", header, "-o", header + ".gch"]
+        cmd += flags + ([] if any(f.startswith("-std=") for f in flags) else ["-std=c++20"])  # (BuildExtension's, added last)
+        source = os.path.join(ROOT, "csrc", "core", "precompiled.h")
+        with open(source, "rb") as f:
+            stamp = hashlib.sha256(f.read() + " ".join(cmd).encode()).hexdigest()
+        stamp_file = header + ".stamp"
+        current = os.path.exists(stamp_file) and open(stamp_file).read() == stamp and os.path.exists(header + ".gch")
+        if not current:
+            os.makedirs(pch_dir, exist_ok=True)
+            with open(source) as f, open(header, "w") as out:  # (compiled as a main file: no #pragma once)
+                out.write(f.read().replace("#pragma once\n", ""))
+            subprocess.check_call(cmd)
+            with open(stamp_file, "w") as f:
+                f.write(stamp)
+        ext.extra_compile_args["cxx"] = flags + ["-include", header, "-Winvalid-pch"]
 
 
 setup(

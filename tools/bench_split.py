@@ -45,6 +45,7 @@ import copy
 import dataclasses
 import os
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -350,15 +351,55 @@ def fmt_ratio(x: float, goal: float) -> str:
     return f"{x:.2f}{'' if x >= goal else ' (miss)'}"
 
 
+def first_step(case: Case, base: nn.Module, rows: int) -> str:
+    """One lazymem step of `rows` in this (fresh) process: the memory model has seen none of its
+    kernels; predicted / measured peak of every plan of the step, and the out-of-memory retries."""
+    r = Runner(case, base, lazy=True)
+    torch_lazymem.reset_stats()
+    r.reset_peak()
+    r.step(case.batch(rows, 0))
+    st = torch_lazymem.stats()
+    ratio = st["predicted_peak_bytes"] / max(1, st["peak_bytes"])
+    return (f"| {case.name} | {rows} | {st['predicted_peak_bytes'] / MiB:.2f} | {st['peak_bytes'] / MiB:.2f} "
+            f"| {fmt_ratio(ratio, 0.98)} | {st['oom_retries']} | {r.peak() / case.capacity:.3f} |")
+
+
+def first_steps(factor: int) -> int:
+    """(g): each case's first step in a fresh process, at eager's largest batch times `factor`."""
+    print(f"(g) the first step of each case in a fresh process at {factor}x eager's largest batch: predicted and "
+          "measured peak (MiB) of the step's last plan (backward and the optimizer step), their ratio (goal 0.98-1.02), out-of-memory retries "
+          "(goal 0), measured peak / capacity\n")
+    print("| case | batch | predicted | measured | ratio | retries | peak / capacity |\n|---|---|---|---|---|---|---|")
+    for i, case in enumerate(CASES):
+        torch.manual_seed(0)
+        b_e = largest_eager(case, case.model())
+        out = subprocess.run([sys.executable, __file__, "--first-step-case", str(i), "--rows", str(b_e * factor)],
+                             capture_output=True, text=True)
+        print(out.stdout.strip() if out.returncode == 0 else f"| {case.name} | {b_e * factor} | failed: "
+              f"{(out.stderr.strip().splitlines() or ['?'])[-1][:200]} |", flush=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--first-step", type=int, metavar="FACTOR",
+                        help="only table (g): each case's first step in a fresh process at FACTOR x eager's largest")
+    parser.add_argument("--first-step-case", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--rows", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="fewer steps, max factor 8")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--max-factor", type=int, default=64)
     parser.add_argument("--no-malloc-tuning", action="store_true")
     args = parser.parse_args()
-    reexec_for_malloc(not args.no_malloc_tuning)
     warnings.simplefilter("ignore")
+    if args.first_step_case is not None:
+        torch.manual_seed(0)
+        case = CASES[args.first_step_case]
+        print(first_step(case, case.model(), args.rows))
+        return 0
+    if args.first_step:
+        return first_steps(args.first_step)
+    reexec_for_malloc(not args.no_malloc_tuning)
     steps = 3 if args.quick else args.steps
     max_factor = 8 if args.quick else args.max_factor
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, simulated device; "

@@ -1,8 +1,45 @@
 #!/usr/bin/env bash
 # Runs every test: the layering check of csrc/, the GoogleTest suite of the C++ core (linked
 # against the same liblazymem_core.so the Python module loads) and the pytest suite.
+#
+#   tools/test.sh [pytest args]   the normal build (the README's test command)
+#   tools/test.sh --sanitize      ASan + UBSan: builds the extension and the C++ tests instrumented
+#                                 into build/asan, then runs the C++ suite and the split/sync pytest
+#                                 modules with the sanitizer runtimes preloaded and freed device
+#                                 memory guarded (LAZYMEM_GUARD_FREED=1: a read of it faults)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+
+if [ "${1:-}" = "--sanitize" ]; then
+  shift
+  ASAN_DIR=$ROOT/build/asan
+  mkdir -p "$ASAN_DIR/pkg"
+  # The Python package beside the instrumented libraries (the normal build stays where it is).
+  python - "$ASAN_DIR/pkg/torch_lazymem" <<'PY'
+import shutil, sys
+shutil.copytree("torch_lazymem", sys.argv[1], dirs_exist_ok=True,
+                ignore=shutil.ignore_patterns("*.so", "__pycache__", "lib"))
+PY
+  LAZYMEM_SANITIZE=address python setup.py -q build_ext --build-lib "$ASAN_DIR/pkg" --build-temp "$ASAN_DIR/temp" >/dev/null
+  cmake -S test/cpp -B test/cpp/build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLAZYMEM_SANITIZE=ON \
+    -DLAZYMEM_CORE_DIR="$ASAN_DIR/pkg/torch_lazymem/lib" >/dev/null
+  cmake --build test/cpp/build-asan
+  SAN_RT="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)"
+  # Leaks: off (Python and torch keep allocations until exit by design). Python's own allocator is
+  # bypassed so ASan sees every block. torch's libraries are not instrumented; the suppressions file
+  # lists what they trip.
+  export ASAN_OPTIONS="detect_leaks=0:allocator_may_return_null=1:abort_on_error=1:allow_user_segv_handler=1:detect_odr_violation=0:suppressions=$ROOT/tools/sanitize/asan.supp"
+  export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$ROOT/tools/sanitize/ubsan.supp"
+  export LAZYMEM_GUARD_FREED=1
+  LD_PRELOAD="$SAN_RT" ./test/cpp/build-asan/lazymem_cpp_tests --gtest_brief=1
+  # From build/asan, so that `import torch_lazymem` finds the instrumented package, not the repo's.
+  cd "$ASAN_DIR/pkg"
+  PYTHONMALLOC=malloc LD_PRELOAD="$SAN_RT" PYTHONPATH="$ASAN_DIR/pkg:$ROOT/test/python" \
+    python -m pytest -q -p no:cacheprovider --rootdir "$ROOT/test/python" -x \
+    $(ls "$ROOT"/test/python/test_split_*.py "$ROOT"/test/python/test_sync_points.py) "$@"
+  exit 0
+fi
 
 python tools/check_includes.py
 cmake -S test/cpp -B test/cpp/build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null

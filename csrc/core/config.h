@@ -73,6 +73,9 @@ struct Config {
   std::atomic<bool> recompute{true};
   // Recompute every value crossing passes that can be, fitting or not (testing).
   std::atomic<bool> force_recompute{false};
+  // Kernels that allocate inside are measured on a row or two before a plan that runs them new
+  // (execute/ws_probe.h); off, their workspace is learned only from their runs (testing).
+  std::atomic<bool> workspace_probes{true};
   // Check at every plan that the Program's tape (ir/tape.h), kept as nodes are appended, equals one
   // built from the nodes (LAZYMEM_CHECK_TAPE=1; the test suite sets it).
   std::atomic<bool> check_tape{false};

@@ -158,7 +158,7 @@ class Walker {
       }
     }
     const int64_t ws = device_counter().node_peak() - node_start_ - outputs;
-    if (ws <= 0 || !Workspace::get().observe(workspace_key(pn), &pn.op.schema(), rows, ws, /*bound=*/true)) return false;
+    if (ws <= 0 || !Workspace::get().observe(workspace_key(pn), &pn.op.schema(), rows, ws, Workspace::kBound)) return false;
     note_learned(pn, rows, ws, " at least (the allocation past it was refused)");
     return true;
   }

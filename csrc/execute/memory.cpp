@@ -6,7 +6,12 @@
 #include <mutex>
 #include <vector>
 
+#include <sys/mman.h>
 #include <unistd.h>
+
+#include <cstdlib>
+#include <string>
+#include <deque>
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -90,14 +95,63 @@ MemoryCounter* counter_for_this_thread() {
 struct alignas(c10::gAlignment) Header {
   MemoryCounter* counter;
   size_t nbytes;
+  size_t mapped; // guarded block: the bytes mapped for it (0: from the CPU allocator)
 };
 constexpr size_t kHeader = sizeof(Header);
+
+// LAZYMEM_GUARD_FREED=1 (the sanitizer job sets it): every block of the lazymem device is mapped on
+// its own pages and, when freed, made inaccessible and kept out of reuse for a while, so a read of
+// freed device memory faults at once wherever it happens — in ATen's kernels too, which the
+// sanitizers do not instrument — instead of reading another buffer's bytes.
+bool guard_freed() {
+  static const bool on = [] {
+    const char* v = std::getenv("LAZYMEM_GUARD_FREED");
+    return v && *v && std::string(v) != "0";
+  }();
+  return on;
+}
+
+class Quarantine {
+ public:
+  void add(void* p, size_t n) {
+    mprotect(p, n, PROT_NONE);
+    madvise(p, n, MADV_DONTNEED); // the pages go back to the system; the addresses stay reserved
+    std::lock_guard<std::mutex> lock(mu_);
+    blocks_.emplace_back(p, n);
+    if (blocks_.size() > kBlocks) {
+      munmap(blocks_.front().first, blocks_.front().second);
+      blocks_.pop_front();
+    }
+  }
+
+ private:
+  static constexpr size_t kBlocks = 16384; // well under vm.max_map_count
+  std::mutex mu_;
+  std::deque<std::pair<void*, size_t>> blocks_;
+};
+
+Quarantine& quarantine() {
+  static Quarantine* q = new Quarantine();
+  return *q;
+}
+
+void* guarded_alloc(size_t n, size_t* mapped) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  *mapped = (n + kHeader + page - 1) / page * page;
+  void* p = mmap(nullptr, *mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(p != MAP_FAILED, "lazymem: mmap of ", *mapped, " bytes failed");
+  return p;
+}
 
 void counted_free(void* p) {
   if (!p) return;
   auto* h = reinterpret_cast<Header*>(static_cast<char*>(p) - kHeader);
   if (h->counter) h->counter->release(h->nbytes);
   c10::profiledCPUMemoryReporter().Delete(p);
+  if (h->mapped) {
+    quarantine().add(h, h->mapped);
+    return;
+  }
   c10::free_cpu(h);
 }
 
@@ -107,8 +161,9 @@ class CountingCPUAllocator final : public c10::Allocator {
     MemoryCounter* c = counter_for_this_thread();
     if (c) c->charge(n);
     void* raw = nullptr;
+    size_t mapped = 0;
     try {
-      raw = c10::alloc_cpu(n + kHeader);
+      raw = c && c == &device_counter() && guard_freed() ? guarded_alloc(n, &mapped) : c10::alloc_cpu(n + kHeader);
     } catch (const c10::Error&) {
       if (c) c->release(n);
       // The host itself has no room: an out-of-memory error like any other, not a bare RuntimeError.
@@ -119,6 +174,7 @@ class CountingCPUAllocator final : public c10::Allocator {
     auto* h = static_cast<Header*>(raw);
     h->counter = c;
     h->nbytes = n;
+    h->mapped = mapped;
     void* p = static_cast<char*>(raw) + kHeader;
     c10::profiledCPUMemoryReporter().New(p, n);
     return {p, p, &counted_free, c10::Device(c10::DeviceType::CPU)};

@@ -48,6 +48,7 @@ struct KeyWriter {
     put(static_cast<uint64_t>(v));
   }
   void copy(const uint64_t* src, size_t count) {
+    if (!count) return; // (src may be null: an empty vector's data())
     reserve(count);
     std::memcpy(p + n, src, count * sizeof(uint64_t));
     n += count;

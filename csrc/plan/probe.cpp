@@ -8,28 +8,67 @@
 
 namespace lazymem {
 
-std::string probe_chunk(const Stage& st, const PlannedNode& pn, int64_t c0, int64_t c1,
-                        const std::function<int32_t(const LazyBuffer*)>& storage_of) {
+namespace {
+
+void add_tensor(std::vector<ProbeTensor>& ts, int32_t arg, int32_t elem, const TensorMeta& m, int32_t storage,
+                int64_t bytes) {
+  ProbeTensor t;
+  t.arg = arg;
+  t.elem = elem;
+  t.sizes = m.sizes;
+  t.strides = m.strides;
+  t.offset = m.offset;
+  t.dtype = m.dtype;
+  t.storage = storage;
+  t.storage_bytes = std::max<int64_t>(bytes, static_cast<int64_t>(m.extent_bytes()));
+  ts.push_back(std::move(t));
+}
+
+std::vector<c10::IValue> copied_args(const Node& n) {
+  std::vector<c10::IValue> args = n.args;
+  for (auto& v : args) {
+    if (v.isList()) v = c10::IValue(v.toList().copy());
+  }
+  return args;
+}
+
+} // namespace
+
+ChunkCall whole_call_narrowed(const PlannedNode& pn, int64_t extent, int64_t rows,
+                              const std::function<int32_t(const LazyBuffer*)>& storage_of) {
+  const Node& n = *pn.node;
+  ChunkCall call;
+  call.rows = rows;
+  int32_t next = -1;
+  for (const Use& u : n.uses) {
+    TensorMeta m = u.ref.meta;
+    if (!m.sizes.empty() && m.sizes[0] == extent) {
+      m.sizes[0] = rows;
+      add_tensor(call.tensors, u.arg, u.elem, m, next--, static_cast<int64_t>(m.extent_bytes()));
+    } else {
+      add_tensor(call.tensors, u.arg, u.elem, m, storage_of(u.ref.buf.get()), static_cast<int64_t>(u.ref.buf->nbytes.load()));
+    }
+  }
+  call.args = copied_args(n);
+  return call;
+}
+
+ChunkCall chunk_call(const Stage& st, const PlannedNode& pn, int64_t c0, int64_t c1,
+                     const std::function<int32_t(const LazyBuffer*)>& storage_of) {
   const Node& n = *pn.node;
   const auto [node_first, node_last] = pn.rows.local(c0, c1);
   const int64_t rows = node_last - node_first;
-  if (rows == 0 && pn.row_node) return ""; // it does not run in this chunk
+  ChunkCall call;
+  call.rows = rows;
+  call.first = node_first;
+  if (rows == 0 && pn.row_node) return call; // it does not run in this chunk
   auto narrowed = [&](const TensorMeta& m, const Bound& bd) {
     const auto [first, last] = bd.map.local(c0, c1);
     return narrow_rows(m, bd.dim, bd.unit, first, last - first);
   };
-  std::vector<ProbeTensor> ts;
+  std::vector<ProbeTensor>& ts = call.tensors;
   auto add = [&](int32_t arg, int32_t elem, const TensorMeta& m, int32_t storage, int64_t bytes) {
-    ProbeTensor t;
-    t.arg = arg;
-    t.elem = elem;
-    t.sizes = m.sizes;
-    t.strides = m.strides;
-    t.offset = m.offset;
-    t.dtype = m.dtype;
-    t.storage = storage;
-    t.storage_bytes = std::max<int64_t>(bytes, static_cast<int64_t>(m.extent_bytes()));
-    ts.push_back(std::move(t));
+    add_tensor(ts, arg, elem, m, storage, bytes);
   };
   int32_t next = -1; // storages of their own (host constants, gathered copies)
   for (size_t k = 0; k < n.uses.size(); ++k) {
@@ -55,10 +94,8 @@ std::string probe_chunk(const Stage& st, const PlannedNode& pn, int64_t c0, int6
         add(u.arg, u.elem, u.ref.meta, id, static_cast<int64_t>(u.ref.buf->nbytes.load()));
     }
   }
-  std::vector<c10::IValue> args = n.args;
-  for (auto& v : args) {
-    if (v.isList()) v = c10::IValue(v.toList().copy());
-  }
+  call.args = copied_args(n);
+  std::vector<c10::IValue>& args = call.args;
   for (size_t i = 0; i < args.size(); ++i) {
     auto host = [&](const c10::IValue& v, int32_t elem) {
       if (!v.isTensor() || !v.toTensor().defined() || v.toTensor().device().type() == c10::DeviceType::PrivateUse1) return;
@@ -87,7 +124,23 @@ std::string probe_chunk(const Stage& st, const PlannedNode& pn, int64_t c0, int6
       args[rw.arg].toList().set(rw.elem, c10::IValue(v));
     }
   }
-  auto out = meta_probe(pn.op, args, ts);
+  return call;
+}
+
+bool meta_accepts(const PlannedNode& pn, const ChunkCall& call) {
+  return meta_probe(pn.op, call.args, call.tensors).has_value();
+}
+
+std::string probe_chunk(const Stage& st, const PlannedNode& pn, int64_t c0, int64_t c1,
+                        const std::function<int32_t(const LazyBuffer*)>& storage_of) {
+  const Node& n = *pn.node;
+  const ChunkCall call = chunk_call(st, pn, c0, c1, storage_of);
+  if (call.rows == 0 && pn.row_node) return ""; // it does not run in this chunk
+  auto narrowed = [&](const TensorMeta& m, const Bound& bd) {
+    const auto [first, last] = bd.map.local(c0, c1);
+    return narrow_rows(m, bd.dim, bd.unit, first, last - first);
+  };
+  auto out = meta_probe(pn.op, call.args, call.tensors);
   if (!out) return "its meta kernel refuses a chunk's shapes";
   for (size_t j = 0; j < n.defs.size(); ++j) {
     const Def& d = n.defs[j];

@@ -58,19 +58,30 @@ bool Workspace::known_op(const c10::FunctionSchema* op) const {
   return ops_.count(op) > 0;
 }
 
-bool Workspace::observe(uint64_t key, const c10::FunctionSchema* op, int64_t rows, int64_t bytes, bool bound) {
+bool Workspace::observe(uint64_t key, const c10::FunctionSchema* op, int64_t rows, int64_t bytes, Kind kind) {
   std::lock_guard<std::mutex> lock(mu_);
   ops_.insert(op);
   Seen& s = seen_[key];
+  const bool bound = kind == kBound;
   int completed = 0;
-  for (int i = 0; i < s.n; ++i) completed += !s.bound[i];
+  for (int i = 0; i < s.n; ++i) completed += s.kind[i] != kBound;
   for (int i = 0; i < s.n; ++i) {
     if (s.rows[i] != rows) continue;
+    if (kind == kMeasured && s.kind[i] == kEstimate) { // a measurement replaces an estimate
+      if (bytes == s.bytes[i]) {
+        s.kind[i] = kMeasured;
+        return false;
+      }
+      s.bytes[i] = bytes;
+      s.kind[i] = kMeasured;
+      generation_.fetch_add(1, std::memory_order_relaxed);
+      return true;
+    }
     // A completed run where only a bound was known anchors the line even if it needed less.
-    const bool anchors = !bound && s.bound[i];
+    const bool anchors = !bound && s.kind[i] == kBound;
     if (bytes <= s.bytes[i] && !anchors) return false;
     s.bytes[i] = std::max(bytes, s.bytes[i]);
-    s.bound[i] = s.bound[i] && bound;
+    if (s.kind[i] == kBound) s.kind[i] = kind;
     generation_.fetch_add(1, std::memory_order_relaxed);
     return true;
   }
@@ -89,7 +100,7 @@ bool Workspace::observe(uint64_t key, const c10::FunctionSchema* op, int64_t row
   }
   s.rows[at] = rows;
   s.bytes[at] = bytes;
-  s.bound[at] = bound;
+  s.kind[at] = kind;
   generation_.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
@@ -101,7 +112,7 @@ Workspace::Affine Workspace::line(const Seen& s) {
   // run, or only bounds: a workspace that scales with the rows).
   int anchor = -1, completed = 0;
   for (int i = 0; i < s.n; ++i) {
-    if (s.bound[i]) continue;
+    if (s.kind[i] == kBound) continue;
     ++completed;
     if (anchor < 0 || s.rows[i] < s.rows[anchor]) anchor = i;
   }
@@ -120,6 +131,11 @@ Workspace::Affine Workspace::predict(uint64_t key) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = seen_.find(key);
   return it == seen_.end() ? Affine{} : line(it->second);
+}
+
+bool Workspace::knows(uint64_t key) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return seen_.count(key) > 0;
 }
 
 void Workspace::clear() {

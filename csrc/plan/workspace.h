@@ -27,9 +27,14 @@ class Workspace {
 
   // Whether any run of `op` ever needed workspace (a fast check before computing keys).
   bool known_op(const c10::FunctionSchema* op) const;
-  // Records `bytes` of workspace at `rows` (`bound`: at least that many, from a refused allocation);
-  // true if that changed what is predicted.
-  bool observe(uint64_t key, const c10::FunctionSchema* op, int64_t rows, int64_t bytes, bool bound = false);
+  // What an observation is: a run that completed (measured), a refused allocation (at least that
+  // many bytes), or a probe's estimate (execute/ws_probe.h), which the first measurement at the same
+  // rows replaces.
+  enum Kind : uint8_t { kMeasured, kBound, kEstimate };
+  // Records `bytes` of workspace at `rows`; true if that changed what is predicted.
+  bool observe(uint64_t key, const c10::FunctionSchema* op, int64_t rows, int64_t bytes, Kind kind = kMeasured);
+  // Whether anything was observed for `key`.
+  bool knows(uint64_t key) const;
   // Distinct chunk sizes remembered per key.
   static constexpr int kPoints = 8;
   struct Affine {
@@ -55,7 +60,7 @@ class Workspace {
     int n = 0;
     int64_t rows[kPoints] = {};
     int64_t bytes[kPoints] = {};
-    bool bound[kPoints] = {};
+    Kind kind[kPoints] = {};
   };
   static Affine line(const Seen& s);
   mutable std::mutex mu_;

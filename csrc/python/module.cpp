@@ -218,6 +218,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("_recompute", [] { return config().recompute.load(); });
   m.def("_set_force_recompute", [](bool on) { config().force_recompute = on; });
   m.def("_force_recompute", [] { return config().force_recompute.load(); });
+  m.def("_set_workspace_probes", [](bool on) { config().workspace_probes = on; });
+  m.def("_workspace_probes", [] { return config().workspace_probes.load(); });
   m.def("_plan_cache_size", [] { return plan_cache_size(); });
   m.def("_force_chunks", [] { return config().force_chunks.load(); });
   m.def("_worker_allocations", worker_allocations);

@@ -15,6 +15,7 @@
 #include "execute/executor.h"
 #include "execute/memory.h"
 #include "execute/replay.h"
+#include "execute/ws_probe.h"
 #include "ir/program.h"
 #include "plan/planner.h"
 #include "plan/reuse.h"
@@ -190,6 +191,12 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
                                                                             : PlanInput::Recompute::kWhenTooBig;
   const auto t0 = std::chrono::steady_clock::now();
   Plan plan = make_plan(in);
+  // Kernels that allocate inside, new to the workspace model: measured on a row or two first, and
+  // planned again knowing them (once per op and shapes in a process).
+  for (int probes = 0; probes < 3 && probe_workspace(plan); ++probes) {
+    recycle_plan(std::move(plan));
+    plan = make_plan(in);
+  }
   const auto planned = std::chrono::steady_clock::now();
   stats().plan_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(planned - t0).count(),
                             std::memory_order_relaxed);

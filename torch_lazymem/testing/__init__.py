@@ -97,6 +97,15 @@ def force_recompute() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def no_workspace_probes() -> Iterator[None]:
+    """Kernels that allocate inside are not measured on a row or two before they first run: their
+    workspace is learned only from their runs, an out-of-memory retry included (for tests of that
+    path)."""
+    with _switched(_C._workspace_probes, _C._set_workspace_probes, False):
+        yield
+
+
 def fail_allocation(n: int) -> None:
     """Makes the ``n``-th device allocation of the next materialization fail with
     ``torch.OutOfMemoryError``, as if the device were full at that moment (fault injection for the

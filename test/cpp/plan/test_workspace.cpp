@@ -61,8 +61,8 @@ TEST(Workspace, BoundsFromRefusedAllocationsScaleWithTheRows) {
   // bound became a constant no chunk size escaped, and the next step raised out of memory.
   Workspace& w = Workspace::get();
   const uint64_t key = kKey + 4;
-  EXPECT_TRUE(w.observe(key, kOp, 392, 19'000'000, /*bound=*/true));
-  EXPECT_TRUE(w.observe(key, kOp, 196, 19'000'000, /*bound=*/true));
+  EXPECT_TRUE(w.observe(key, kOp, 392, 19'000'000, Workspace::kBound));
+  EXPECT_TRUE(w.observe(key, kOp, 196, 19'000'000, Workspace::kBound));
   EXPECT_GE(predict(key, 196), 19'000'000);
   EXPECT_LE(predict(key, 98), 9'600'000); // scales with the rows: half the chunk, half the bound
   // A run that completed at 98 rows anchors the line, even below what the bounds predicted there.
@@ -77,7 +77,7 @@ TEST(Workspace, BoundsFromRefusedAllocationsScaleWithTheRows) {
   }
   EXPECT_LT(predict(key, 8), 2'000'000);
   // A bound below the line teaches nothing.
-  EXPECT_FALSE(w.observe(key, kOp, 150, 1'000'000, /*bound=*/true));
+  EXPECT_FALSE(w.observe(key, kOp, 150, 1'000'000, Workspace::kBound));
 }
 
 } // namespace

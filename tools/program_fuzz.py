@@ -1,0 +1,466 @@
+"""Whole-program fuzzer: random training (and inference) programs from a small grammar, each run in
+float64 by eager CPU and by lazymem on a simulated device capped at a random 5-100% of eager's
+peak, with random allocation failures injected, and compared.
+
+    python tools/program_fuzz.py [--programs 2000] [--seed 0] [--jobs 2] [--show-ok]
+    python tools/program_fuzz.py --replay SEED      # one program: its text, its outcome
+
+The grammar:
+  inputs   vectors (B, F), images (B, C, H, W), tokens (B, T) through an embedding, sequences (B, T, F)
+  layers   linear, conv, batch norm (training or eval mode), layer norm, group norm, attention with
+           a padding or causal mask, LSTM / GRU, embedding, dropout, residual blocks
+  acts     relu / gelu / tanh / silu, some in place
+  losses   cross entropy (class weights, label smoothing), MSE on a regression head
+  loops    loss read before or after backward, two backwards over the halves of the batch before one
+           step, clip_grad_norm_, GradScaler, a sync inside the forward, slices of the batch through
+           two towers joined by cat, mixup's x[perm], SGD or AdamW, inference under no_grad
+
+Each program prints one of:
+  ok        equal to eager (assert_close defaults), measured peak within the cap
+  oom       torch.OutOfMemoryError, by cause: `unsplittable` (explain(): a value that must be held
+            whatever the chunk size exceeds the cap), `barrier` (an op that runs whole), `other`
+  WRONG     a result differs from eager                         (a bug)
+  OVER      the measured peak went over the cap                 (a bug)
+  ERROR     any other exception                                 (a bug)
+  CRASH     the worker process died                             (a bug)
+A bug prints its seed and the program's minimal form (features removed while it still fails).
+Exit status 1 on any bug. Programs with dropout are compared with lazymem split in another number of
+chunks (a split draws dropout masks per row, not from eager's stream) instead of eager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import copy
+import dataclasses
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+D = torch.float64
+MiB = 1 << 20
+
+
+# ---------------------------------------------------------------------------------------------------
+# The grammar: a program is a Spec (all choices drawn from one seed), built into a model and a loop.
+
+
+@dataclasses.dataclass
+class Spec:
+    seed: int
+    kind: str                 # vec | img | tok | seq
+    batch: int
+    width: int
+    layers: list[str]
+    act: str
+    inplace: bool
+    loss: str                 # ce | ce_weighted | ce_smooth | mse
+    training: bool
+    steps: int
+    optim: str                # sgd | adamw
+    read_before: bool         # loss.item() before backward
+    halves: bool              # two backwards over the halves of the batch, one step
+    clip: bool
+    scaler: bool
+    mid_sync: bool            # a value read inside the forward
+    towers: bool              # slices of the batch through two towers, cat
+    mixup: bool               # x[perm]
+    cap_fraction: float
+    fail_at: int              # 0: no injected failure; else the n-th allocation of the first sync
+
+    FEATURES = ("read_before", "halves", "clip", "scaler", "mid_sync", "towers", "mixup", "inplace")
+
+    def text(self) -> str:
+        flags = [f for f in self.FEATURES if getattr(self, f)]
+        mode = f"train {self.steps} x {self.optim}" if self.training else "inference"
+        return (f"seed {self.seed}: {self.kind} B={self.batch} width={self.width} layers={self.layers} "
+                f"act={self.act} loss={self.loss} {mode} {' '.join(flags)} cap={self.cap_fraction:.2f} "
+                f"fail_at={self.fail_at}")
+
+
+LAYERS = {
+    "vec": ["linear", "layernorm", "batchnorm", "batchnorm_eval", "dropout", "residual"],
+    "img": ["conv", "batchnorm2d", "batchnorm2d_eval", "groupnorm", "conv_residual", "dropout"],
+    "tok": ["attention_pad", "attention_causal", "lstm", "gru", "layernorm", "linear", "dropout"],
+    "seq": ["attention_pad", "attention_causal", "lstm", "gru", "layernorm", "linear", "residual"],
+}
+
+
+def draw(seed: int) -> Spec:
+    r = random.Random(seed)
+    kind = r.choice(list(LAYERS))
+    training = r.random() < 0.8
+    layers = [r.choice(LAYERS[kind]) for _ in range(r.randint(1, 4))]
+    halves = training and r.random() < 0.2
+    return Spec(
+        seed=seed, kind=kind, batch=r.choice([24, 48, 96, 200, 384]) if kind != "img" else r.choice([16, 32, 64]),
+        width=r.choice([8, 16, 32]), layers=layers, act=r.choice(["relu", "gelu", "tanh", "silu"]),
+        inplace=r.random() < 0.3, loss=r.choice(["ce", "ce_weighted", "ce_smooth", "mse"]), training=training,
+        steps=r.choice([1, 2]), optim=r.choice(["sgd", "adamw"]), read_before=r.random() < 0.3, halves=halves,
+        clip=training and r.random() < 0.3, scaler=training and not halves and r.random() < 0.15,
+        mid_sync=r.random() < 0.2, towers=r.random() < 0.2, mixup=r.random() < 0.2,
+        cap_fraction=r.uniform(0.05, 1.0), fail_at=r.randint(1, 40) if r.random() < 0.3 else 0)
+
+
+def activation(spec: Spec, h: torch.Tensor) -> torch.Tensor:
+    if spec.inplace and spec.act in ("relu", "tanh", "silu"):
+        return {"relu": F.relu_, "tanh": torch.tanh_, "silu": lambda t: F.silu(t, inplace=True)}[spec.act](h)
+    return {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh, "silu": F.silu}[spec.act](h)
+
+
+class Block(nn.Module):
+    def __init__(self, spec: Spec, name: str, w: int) -> None:
+        super().__init__()
+        self.name, self.spec = name, spec
+        if name in ("linear", "residual"):
+            self.f = nn.Linear(w, w)
+        elif name == "layernorm":
+            self.f = nn.LayerNorm(w)
+        elif name.startswith("batchnorm2d"):
+            self.f = nn.BatchNorm2d(w)
+        elif name.startswith("batchnorm"):
+            self.f = nn.BatchNorm1d(w)
+        elif name == "groupnorm":
+            self.f = nn.GroupNorm(4, w)
+        elif name in ("conv", "conv_residual"):
+            self.f = nn.Conv2d(w, w, 3, padding=1)
+        elif name == "dropout":
+            self.f = nn.Dropout(0.2)
+        elif name.startswith("attention"):
+            self.f = nn.MultiheadAttention(w, 4 if w % 4 == 0 else 1, batch_first=True)
+        elif name == "lstm":
+            self.f = nn.LSTM(w, w, batch_first=True)
+        elif name == "gru":
+            self.f = nn.GRU(w, w, batch_first=True)
+
+    def forward(self, h: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
+        n = self.name
+        if n.endswith("_eval"):
+            self.f.eval()
+        if n in ("linear", "conv"):
+            return activation(self.spec, self.f(h))
+        if n in ("residual", "conv_residual"):
+            return h + activation(self.spec, self.f(h))
+        if n.startswith("batchnorm") and self.spec.kind in ("tok", "seq"):
+            return self.f(h.transpose(1, 2)).transpose(1, 2)
+        if n.startswith("attention"):
+            T = h.shape[1]
+            if n == "attention_causal" or pad is None:
+                mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=h.device), 1)
+                return h + self.f(h, h, h, attn_mask=mask, need_weights=False)[0]
+            return h + self.f(h, h, h, key_padding_mask=pad, need_weights=False)[0]
+        if n in ("lstm", "gru"):
+            return self.f(h)[0]
+        return self.f(h)
+
+
+class Net(nn.Module):
+    def __init__(self, spec: Spec) -> None:
+        super().__init__()
+        self.spec = spec
+        w = spec.width
+        classes = 5
+        self.vocab = 40
+        if spec.kind == "vec":
+            self.stem = nn.Linear(12, w)
+        elif spec.kind == "img":
+            self.stem = nn.Conv2d(3, w, 3, padding=1)
+        elif spec.kind == "tok":
+            self.stem = nn.Embedding(self.vocab, w, padding_idx=0)
+        else:
+            self.stem = nn.Linear(6, w)
+        self.blocks = nn.ModuleList(Block(spec, name, w) for name in spec.layers)
+        self.tower = nn.Linear(w, w) if spec.towers else None
+        self.head = nn.Linear(w, 1 if spec.loss == "mse" else classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pad = (x == 0) if self.spec.kind == "tok" else None
+        if pad is not None:
+            pad = pad & ~pad.all(1, keepdim=True)  # a row of padding only would give NaN attention
+        h = self.stem(x)
+        if self.spec.kind == "img":
+            h = activation(self.spec, h)
+        for i, b in enumerate(self.blocks):
+            h = b(h, pad)
+            if i == 0 and self.spec.mid_sync and bool((h.abs() > 1e6).any()):
+                h = h.clamp(-1e6, 1e6)
+        if self.spec.kind == "img":
+            h = F.avg_pool2d(h, 2).mean((2, 3))
+        elif self.spec.kind in ("tok", "seq"):
+            h = h.mean(1)
+        if self.tower is not None:
+            k = h.shape[0] // 3
+            h = torch.cat([self.tower(h[:k]).tanh(), h[k:] * 0.5])
+        return self.head(h)
+
+
+def data(spec: Spec, rows: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    if spec.kind == "vec":
+        x = torch.randn(rows, 12, generator=g, dtype=D)
+    elif spec.kind == "img":
+        x = torch.randn(rows, 3, 8, 8, generator=g, dtype=D)
+    elif spec.kind == "tok":
+        x = torch.randint(1, 40, (rows, 10), generator=g)
+        x[:, 7:] *= torch.rand(rows, 3, generator=g) < 0.5  # padding at the end of some rows
+    else:
+        x = torch.randn(rows, 10, 6, generator=g, dtype=D)
+    y = torch.randn(rows, 1, generator=g, dtype=D) if spec.loss == "mse" else torch.randint(0, 5, (rows,), generator=g)
+    perm = torch.randperm(rows, generator=g)
+    return x, y, perm
+
+
+def loss_of(spec: Spec, out: torch.Tensor, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    if spec.loss == "mse":
+        return F.mse_loss(out, y)
+    if spec.loss == "ce_weighted":
+        return F.cross_entropy(out, y, weight=weights)
+    if spec.loss == "ce_smooth":
+        return F.cross_entropy(out, y, label_smoothing=0.1)
+    return F.cross_entropy(out, y)
+
+
+def run_program(spec: Spec, dev: str) -> list[torch.Tensor]:
+    """The program on `dev`: returns what it read (losses, outputs) and the final parameters."""
+    torch.manual_seed(spec.seed)
+    base = Net(spec).double()
+    model = copy.deepcopy(base).to(dev)
+    model.train(spec.training)
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if spec.optim == "adamw"
+           else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    scaler = torch.amp.GradScaler(dev, init_scale=256.0) if spec.scaler else None
+    weights = torch.linspace(0.5, 1.5, 5, dtype=D).to(dev)
+    g = torch.Generator().manual_seed(spec.seed)
+    read: list[torch.Tensor] = []
+    for _ in range(spec.steps if spec.training else 1):
+        x, y, perm = (t.to(dev) for t in data(spec, spec.batch, g))
+        if spec.mixup and spec.kind in ("vec", "img", "seq"):
+            x = 0.7 * x + 0.3 * x[perm]
+        if not spec.training:
+            with torch.no_grad():
+                read.append(model(x).cpu())
+            continue
+        parts = [(x, y)]
+        if spec.halves:
+            h = spec.batch // 2
+            parts = [(x[:h], y[:h]), (x[h:], y[h:])]
+        for px, py in parts:
+            loss = loss_of(spec, model(px), py, weights) / len(parts)
+            if spec.read_before:
+                read.append(loss.detach().cpu())
+            (scaler.scale(loss) if scaler else loss).backward()
+            if not spec.read_before:
+                read.append(loss.detach().cpu())
+        if scaler:
+            scaler.unscale_(opt)
+        if spec.clip:
+            read.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).detach().cpu())
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+    read += [p.detach().cpu() for p in model.parameters()]
+    read += [b.detach().cpu() for b in model.buffers()]
+    return read
+
+
+# ---------------------------------------------------------------------------------------------------
+# One program against eager.
+
+
+_SIZE = re.compile(r"([0-9.]+) (bytes|KiB|MiB|GiB)")
+_UNITS = {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def named_sizes(message: str) -> list[int]:
+    """The sizes of the single values an out-of-memory message names: the value being materialized
+    ("while materializing ... (120.00 KiB)") and the refused allocation ("Tried to allocate ...")."""
+    out = []
+    first = message.split(". ", 1)[0]
+    if "while materializing" in first:
+        out += [int(float(n) * _UNITS[u]) for n, u in _SIZE.findall(first)]
+    for m in re.finditer(r"Tried to allocate ([0-9.]+) (bytes|KiB|MiB|GiB)", message):
+        out.append(int(float(m.group(1)) * _UNITS[m.group(2)]))
+    return out
+
+
+def classify_oom(message: str, cap: int) -> str:
+    # Justified by the plan: a value held whatever the chunk size, or one single value larger than
+    # the device (a parameter, a weight's gradient or optimizer state, a value that cannot split).
+    if "must be held whatever the chunk size" in message or "larger than the" in message:
+        return "unsplittable"
+    if any(size > cap for size in named_sizes(message)):
+        return "unsplittable"
+    if "barrier" in message or "runs whole" in message or "run whole" in message:
+        return "barrier"
+    return "other"
+
+
+def check(spec: Spec) -> dict:
+    import torch_lazymem
+    from torch_lazymem.testing import (eager_max_memory_allocated, fail_allocation, force_chunks, memory_cap,
+                                       simulated_device)
+    has_dropout = spec.training and "dropout" in spec.layers
+    with memory_cap(1 << 45):
+        expected = run_program(spec, "cpu")
+        peak = eager_max_memory_allocated()
+    cap = max(int(peak * spec.cap_fraction), 64 << 10)
+    if has_dropout:  # the reference: lazymem split in 2 chunks (row-keyed masks), uncapped
+        with force_chunks(2):
+            expected = run_program(spec, "lazymem")
+    torch.lazymem.synchronize()
+    torch_lazymem.reset_stats()
+    result = {"seed": spec.seed, "cap": cap, "eager_peak": peak}
+    chunked = force_chunks(3) if has_dropout else contextlib.nullcontext()
+    try:
+        with simulated_device(cap), chunked:
+            torch.lazymem.reset_peak_memory_stats()
+            if spec.fail_at:
+                fail_allocation(spec.fail_at)
+            got = run_program(spec, "lazymem")
+            torch.lazymem.synchronize()
+            lazy_peak = torch.lazymem.max_memory_allocated()
+    except torch.OutOfMemoryError as e:
+        msg = str(e)
+        return dict(result, status="oom", cause=classify_oom(msg, cap), detail=msg[:600])
+    except Exception as e:  # noqa: BLE001 - every other exception is a finding
+        return dict(result, status="ERROR", detail="".join(traceback.format_exception(e))[-1500:])
+    finally:
+        with contextlib.suppress(Exception):
+            torch.lazymem.synchronize()
+    stats = torch_lazymem.stats()
+    result.update(peak=lazy_peak, split=stats["splits"] > 0, retries=stats["oom_retries"])
+    if lazy_peak > cap:
+        return dict(result, status="OVER", detail=f"measured {lazy_peak} > cap {cap}")
+    try:
+        assert len(got) == len(expected), (len(got), len(expected))
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b)
+    except AssertionError as e:
+        return dict(result, status="WRONG", detail=str(e)[:600])
+    return dict(result, status="ok")
+
+
+BUGS = ("WRONG", "OVER", "ERROR", "CRASH")
+
+
+def minimize(spec: Spec) -> Spec:
+    """Removes features, layers and the injected failure while the program still fails the same way."""
+    status = check(spec)["status"]
+    changed = True
+    while changed:
+        changed = False
+        candidates = [dataclasses.replace(spec, **{f: False}) for f in Spec.FEATURES if getattr(spec, f)]
+        candidates += [dataclasses.replace(spec, layers=spec.layers[:i] + spec.layers[i + 1:])
+                       for i in range(len(spec.layers)) if len(spec.layers) > 1]
+        if spec.fail_at:
+            candidates.append(dataclasses.replace(spec, fail_at=0))
+        if spec.steps > 1:
+            candidates.append(dataclasses.replace(spec, steps=1))
+        for c in candidates:
+            if check(c)["status"] == status:
+                spec, changed = c, True
+                break
+    return spec
+
+
+# ---------------------------------------------------------------------------------------------------
+# Workers (a crash costs one program, not the run) and the report.
+
+
+def worker(seeds: list[int]) -> None:
+    warnings.simplefilter("ignore")
+    for s in seeds:
+        print(json.dumps({"start": s}), flush=True)
+        print(json.dumps(check(draw(s))), flush=True)
+
+
+def run_worker(seeds: list[int], results: list[dict]) -> None:
+    while seeds:
+        proc = subprocess.Popen([sys.executable, __file__, "--worker", ",".join(map(str, seeds))],
+                                stdout=subprocess.PIPE, text=True)
+        current = None
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            msg = json.loads(line)
+            if "start" in msg:
+                current = msg["start"]
+                continue
+            results.append(msg)
+            seeds = seeds[seeds.index(msg["seed"]) + 1:]
+            current = None
+        proc.wait()
+        if current is None:
+            break
+        results.append({"seed": current, "status": "CRASH", "detail": f"worker exit status {proc.returncode}"})
+        seeds = seeds[seeds.index(current) + 1:]
+
+
+def report(results: list[dict], seconds: float) -> int:
+    counts = collections.Counter(r["status"] for r in results)
+    causes = collections.Counter(r.get("cause") for r in results if r["status"] == "oom")
+    split = sum(1 for r in results if r.get("split"))
+    retried = sum(1 for r in results if r.get("retries"))
+    print(f"programs run      {len(results)}  ({seconds:.0f} s)")
+    print(f"  ok              {counts['ok']}  (split {split}, with an out-of-memory retry {retried})")
+    print(f"  out of memory   {counts['oom']}  (unsplittable {causes['unsplittable']}, barrier {causes['barrier']}, "
+          f"other {causes['other']})")
+    for b in BUGS:
+        print(f"  {b.lower():15s} {counts[b]}")
+    bugs = [r for r in results if r["status"] in BUGS]
+    for r in bugs:
+        print(f"\n{r['status']} {draw(r['seed']).text()}\n  {r.get('detail', '')[:800]}")
+    for r in results:
+        if r["status"] == "oom" and r["cause"] == "other":
+            print(f"\noom (other) {draw(r['seed']).text()}\n  {r['detail'][:400]}")
+    return 1 if bugs else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--programs", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0, help="first seed")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--replay", type=int, help="run one program, print it, minimize it if it fails")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker([int(s) for s in args.worker.split(",")])
+        return 0
+    if args.replay is not None:
+        warnings.simplefilter("ignore")
+        spec = draw(args.replay)
+        print(spec.text())
+        r = check(spec)
+        print(json.dumps(r, indent=1))
+        if r["status"] in BUGS:
+            print("minimal:", minimize(spec).text())
+        return 1 if r["status"] in BUGS else 0
+    seeds = list(range(args.seed, args.seed + args.programs))
+    t0 = time.perf_counter()
+    results: list[dict] = []
+    import threading
+    threads = [threading.Thread(target=run_worker, args=(seeds[j::args.jobs], results)) for j in range(args.jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results.sort(key=lambda r: r["seed"])
+    return report(results, time.perf_counter() - t0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
