@@ -1,6 +1,7 @@
 // execute: the plan walker.
 #include "execute/executor.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -213,10 +214,12 @@ class Walker {
     Binder binder(st);
     int64_t chunk = st.chunk;
     std::vector<char> none(st.slots.size(), 0);
+    updated_in_place_.clear();
     for (int64_t start = 0; start < st.batch;) {
       const int64_t rows = std::min(chunk, st.batch - start);
       if (!run_chunk(st, binder, start, rows, none, chunk)) {
         abandon_loop(st);
+        out_.torn = updated_in_place_;
         return false;
       }
       start += rows;
@@ -264,7 +267,10 @@ class Walker {
         ok = false;
         break;
       }
-      redoable = redoable && redoable_node(pn);
+      if (!redoable_node(pn)) {
+        redoable = false;
+        note_updated_in_place(st, pn);
+      }
       for (int32_t slot : pn.accumulate) {
         if (done[slot] || st.slots[slot].buf->poison) continue;
         try {
@@ -325,14 +331,52 @@ class Walker {
 
   // Whether running `pn` for a chunk's rows again gives the same state: it writes no rows of a stored
   // value in place from their old contents and draws no random numbers from a generator's stream.
+  // In-place ops whose second application changes nothing (f(f(x)) = f(x) with scalar arguments):
+  // running them again on rows they already updated is exact.
+  static bool idempotent_in_place(const c10::FunctionSchema& s) {
+    static const char* const kOps[] = {"aten::masked_fill_", "aten::fill_", "aten::zero_", "aten::relu_",
+                                       "aten::clamp_", "aten::clamp_min_", "aten::clamp_max_", "aten::hardtanh_",
+                                       "aten::abs_", "aten::floor_", "aten::ceil_", "aten::round_", "aten::trunc_",
+                                       "aten::sign_"};
+    if (s.overload_name() == "Tensor") return false; // a tensor argument might alias what is updated
+    for (const char* op : kOps) {
+      if (s.name() == op) return true;
+    }
+    return false;
+  }
+
   static bool redoable_node(const PlannedNode& pn) {
     const Node& n = *pn.node;
     if (n.effectful || (n.random && pn.rng_block == 0 && !n.row_keyed)) return false;
+    if (idempotent_in_place(pn.op.schema())) return true;
     for (size_t k = 0; k < n.uses.size() && k < pn.uses.size(); ++k) {
       const Use& u = n.uses[k];
       if (u.write && !u.write_only && pn.uses[k].bind == Bind::kNarrow) return false;
     }
     return true;
+  }
+
+  // The values `pn` (not redoable) updated in place through narrowed views: some rows are updated.
+  // Not those the loop itself assembles or accumulates: abandoning the loop drops them, and running
+  // it again makes them anew before updating them.
+  void note_updated_in_place(const Stage& st, const PlannedNode& pn) {
+    const Node& n = *pn.node;
+    for (size_t k = 0; k < n.uses.size() && k < pn.uses.size(); ++k) {
+      const Use& u = n.uses[k];
+      if (!u.write || u.write_only || pn.uses[k].bind != Bind::kNarrow) continue;
+      LazyBuffer* b = u.ref.buf.get();
+      bool own = false;
+      for (const FullStore& f : st.stores) own = own || f.buf == b;
+      for (const Accumulator& a : st.accs) own = own || a.buf == b;
+      if (own) continue;
+      if (std::find(updated_in_place_.begin(), updated_in_place_.end(), b) == updated_in_place_.end()) {
+        if (config().debug >= 2) {
+          std::fprintf(stderr, "[lazymem] %s updates b%llu in place, rows at a time\n", n.describe().c_str(),
+                       static_cast<unsigned long long>(b->id));
+        }
+        updated_in_place_.push_back(b);
+      }
+    }
   }
 
   // A loop that ran out of memory restarts as a whole: what it assembled or accumulated goes.
@@ -347,6 +391,7 @@ class Walker {
   const bool counting_ = backing_device().is_cpu(); // the counting allocator sees every byte
   int64_t node_peak_ = 0;
   int64_t node_start_ = 0; // device bytes allocated when the running node started
+  std::vector<LazyBuffer*> updated_in_place_; // by the running loop (note_updated_in_place)
   const std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   int64_t total_chunks_ = 0;
   int64_t chunks_done_ = 0;

@@ -36,6 +36,11 @@ struct ExecOutcome {
   // drew no random numbers from a generator's stream, so dropping those buffers and running the
   // whole program again is the same as never having run it.
   bool restartable = true;
+  // With oom in a loop: values the loop had updated in place for some of the batch's rows (a
+  // read-modify-write through a narrowed view, which cannot run twice on the same rows). Neither
+  // running the loop again nor resuming it is exact: the caller loses them (reads raise) rather
+  // than compute a wrong answer.
+  std::vector<LazyBuffer*> torn;
   uint64_t epoch = 0;
   int64_t peak = 0;                  // device bytes at the peak
   const Node* peak_node = nullptr;   // the node running when it happened (nullptr: between nodes)

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <deque>
 
@@ -100,9 +101,10 @@ struct alignas(c10::gAlignment) Header {
 constexpr size_t kHeader = sizeof(Header);
 
 // LAZYMEM_GUARD_FREED=1 (the sanitizer job sets it): every block of the lazymem device is mapped on
-// its own pages and, when freed, made inaccessible and kept out of reuse for a while, so a read of
-// freed device memory faults at once wherever it happens — in ATen's kernels too, which the
-// sanitizers do not instrument — instead of reading another buffer's bytes.
+// its own pages, filled with 0xFA bytes, and, when freed, made inaccessible and kept out of reuse for
+// a while, so a read of freed device memory faults at once wherever it happens — in ATen's kernels
+// too, which the sanitizers do not instrument — and a read of memory nothing wrote fails loudly
+// instead of reading another buffer's bytes.
 bool guard_freed() {
   static const bool on = [] {
     const char* v = std::getenv("LAZYMEM_GUARD_FREED");
@@ -140,6 +142,10 @@ void* guarded_alloc(size_t n, size_t* mapped) {
   *mapped = (n + kHeader + page - 1) / page * page;
   void* p = mmap(nullptr, *mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   TORCH_CHECK(p != MAP_FAILED, "lazymem: mmap of ", *mapped, " bytes failed");
+  // Fresh memory is not zeros: a kernel that reads a block nothing wrote (a value dropped and
+  // allocated again before it was recomputed) sees 0xFA bytes — indices far out of range, floats
+  // huge — and fails loudly instead of reading plausible zeros.
+  std::memset(p, 0xFA, *mapped);
   return p;
 }
 

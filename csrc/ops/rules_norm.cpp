@@ -110,11 +110,14 @@ bool batch_norm_backward(const RuleCall& c, RuleResult& r) {
 
 // ---- the ops a training batch norm expands into (ops/split_ops.cpp) ----
 
-// Elements per batch row of a [N, C, ...] operand sharded as `p`, per channel.
-int64_t per_row(const Operand& x, int64_t batch) {
+// Elements per batch row of a [N, C, ...] operand sharded as `p`, per channel: over the rows it
+// holds (a slice of the batch holds fewer than the batch's; dividing by the batch's gave 0 and the
+// chunks' moments merged as 0 / 0).
+int64_t per_row(const Operand& x, const Place& p, int64_t batch) {
   int64_t numel = 1;
   for (int64_t s : x.sizes) numel *= s;
-  return x.sizes.size() < 2 || x.sizes[1] == 0 || batch == 0 ? 0 : numel / x.sizes[1] / batch;
+  const int64_t rows = p.map.identity() ? batch : p.map.n;
+  return x.sizes.size() < 2 || x.sizes[1] == 0 || rows == 0 ? 0 : numel / x.sizes[1] / rows;
 }
 
 // bn_moments(x, dtype) -> [2, C], merged over chunks.
@@ -125,7 +128,7 @@ bool bn_moments(const RuleCall& c, RuleResult& r) {
   if (!p->is_s()) return replicated(c, r);
   r.outs[0] = Place::P(Reduce::kMoments);
   r.finalize[0].kind = Finalize::kMoments;
-  r.finalize[0].per_row = per_row(c.ins[0], c.batch);
+  r.finalize[0].per_row = per_row(c.ins[0], *p, c.batch);
   return true;
 }
 

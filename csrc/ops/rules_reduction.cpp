@@ -194,7 +194,9 @@ bool moments(const RuleCall& c, RuleResult& r) {
   if (!over_batch || c.batch == 0) return fail(r, "moments that do not reduce over the batch");
   r.outs[0] = Place::P(Reduce::kMoments);
   r.finalize[0].kind = Finalize::kMoments;
-  r.finalize[0].per_row = count / c.batch;
+  const int64_t rows = in->map.identity() ? c.batch : in->map.n; // the rows it holds (a slice: fewer)
+  if (rows == 0) return fail(r, "moments over no rows of the batch");
+  r.finalize[0].per_row = count / rows;
   return true;
 }
 

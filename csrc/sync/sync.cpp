@@ -211,7 +211,8 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   // the start when nothing irreversible ran (the leaves are still there to split by), else from
   // where it stopped.
   // A last resort that ran out of memory too (one row per chunk) is not planned again.
-  const bool retry = out.oom && attempt < kMaxReplans &&
+  // Nor one that tore a value (updated some of its rows in place): it cannot run again exactly.
+  const bool retry = out.oom && attempt < kMaxReplans && out.torn.empty() &&
                      (attempt == 0 || (!plan.last_resort && (out.oom_learned || out.executed > 0)));
   size_t pending = retry && out.restartable ? put_back_all(seg, out.epoch) : put_back(seg, plan, out);
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -234,6 +235,22 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   if (out.oom) {
     std::string why;
     for (const std::string& n : plan.notes) why += n + ". ";
+    if (!out.torn.empty()) {
+      std::string names;
+      for (LazyBuffer* b : out.torn) names += (names.empty() ? "b" : ", b") + std::to_string(b->id);
+      const std::string lost = "lazymem: " + names + " was being updated in place chunk by chunk along the batch "
+          "when the device ran out of memory at " + out.oom_site + "; some of its rows were updated, and an "
+          "in-place update cannot run twice on the same rows, so it is lost (a larger capacity or a smaller "
+          "batch avoids this)";
+      std::exception_ptr ep;
+      try {
+        TORCH_CHECK_WITH(OutOfMemoryError, false, lost);
+      } catch (...) {
+        ep = std::current_exception();
+      }
+      for (LazyBuffer* b : out.torn) b->poison = ep;
+      why += lost + ". ";
+    }
     std::string prefix = "lazymem: out of memory while materializing " + out.oom_site + ". " + why +
         "Nothing was lost: " + std::to_string(pending) +
         " recorded ops are still pending and run when memory is available (free tensors or raise the "

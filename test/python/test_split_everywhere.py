@@ -388,6 +388,25 @@ def test_two_towers_over_slices_of_the_batch_then_cat():
     assert all(s["barriers"] == 0 for s in stats)
 
 
+@pytest.mark.parametrize("h", [100, 192, 256, 300])
+def test_batch_norm_statistics_over_a_slice_of_the_batch(h):
+    """Regression (found by tools/program_fuzz.py, seed 9110): batch norm in training mode over x[:h]
+    merged its chunks' moments with a count per row computed from the batch's 384 rows instead of the
+    slice's h (0 by integer division): 0 / 0, NaN, whenever the slice spans chunks. The same for the
+    moments behind var/std over a slice."""
+    torch.manual_seed(3)
+    x = torch.randn(384, 16, dtype=D)
+
+    def run(dev):
+        torch.manual_seed(3)
+        bn = nn.BatchNorm1d(16).double().to(dev)
+        xs = x.to(dev)
+        out = bn(xs[:h])
+        return [(out ** 2).mean(), xs[:h].var(0), bn.running_mean, bn.running_var]
+
+    check_split(run)
+
+
 def test_two_towers_under_a_cap():
     check_capped(towers_program(2000, hidden=256), 4 * MiB)
 
