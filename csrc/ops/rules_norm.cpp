@@ -42,6 +42,14 @@ bool layer_norm_backward(const RuleCall& c, RuleResult& r) {
   auto p = batch_of(c, r, {0, 1, 3, 4}, axis);
   if (!p) return false;
   if (!p->is_s()) return replicated(c, r);
+  // The CPU kernel reads the saved mean and rstd through their data pointers as if contiguous: a
+  // chunk of them must be one block, so no dim of size > 1 may come before the batch's (split along
+  // the sequence of a (B, T, D) input, its chunks read other rows' statistics: wrong gradients).
+  const Operand& in = c.ins[c.operand_index(1)];
+  for (int64_t d = 0; d < p->dim && d < in.dim(); ++d) {
+    if (in.sizes[d] != 1) return fail(r, "layer norm's backward reads its saved statistics as contiguous rows");
+  }
+  if (p->outer != 1) return fail(r, "layer norm's backward reads its saved statistics as contiguous rows");
   grad_outputs(c, r, *p);
   return true;
 }

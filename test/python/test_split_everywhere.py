@@ -210,9 +210,13 @@ def seq_first_transformer_program(T, B, d=16):
 @pytest.mark.parametrize("T,B", [(6, 10), (10, 10)], ids=["T6_B10", "T_equals_B"])
 def test_sequence_first_transformer_splits_along_dim_1(T, B):
     stats = check_split(seq_first_transformer_program(T, B))
-    assert all(s["barriers"] == 0 for s in stats)
     text = torch_lazymem.explain(print_it=False)
     assert "on dim 1" in text, text
+    # The only ops that run whole: layer norm's backward, whose CPU kernel reads its saved statistics
+    # as contiguous rows (test_halves_of_the_batch_through_a_sequence_model_split_along_the_sequence).
+    barriers = [line for line in text.splitlines() if "barrier" in line and "b" in line]
+    assert all(s["barriers"] <= 2 for s in stats), stats
+    assert all("layer norm" in line or "barriers" not in line for line in barriers), text
 
 
 def test_sequence_first_transformer_under_a_cap():
@@ -407,12 +411,12 @@ def test_batch_norm_statistics_over_a_slice_of_the_batch(h):
     check_split(run)
 
 
-@pytest.mark.xfail(reason="open bug (issue 21's fuzzer, seed 1601 and 12 others): split along the sequence dim, "
-                   "the second half's LayerNorm backward gets wrong weight and input gradients", strict=False)
 def test_halves_of_the_batch_through_a_sequence_model_split_along_the_sequence():
-    """Two forward/backward calls over x[:24] and x[24:] of a (48, 10, 6) sequence batch: the solver
-    splits along the sequence (dim 1, 10 rows); the stem's and LayerNorm weight's gradients differ
-    from eager (LayerNorm's bias gradient is right: its input statistics are what is wrong)."""
+    """Regression (found by tools/program_fuzz.py, seed 1601 and 12 others): two forward/backward
+    calls over x[:24] and x[24:] of a (48, 10, 6) sequence batch, which the solver splits along the
+    sequence (dim 1). LayerNorm's CPU backward reads its saved mean and rstd as contiguous: chunks
+    narrowed along dim 1 read other rows' statistics, and the stem's and LayerNorm weight's gradients
+    were wrong. The backward now runs whole when the batch is not its leading dim."""
     torch.manual_seed(0)
     x, y = torch.randn(48, 10, 6, dtype=D), torch.randint(0, 5, (48,))
     stem, ln, f, head = nn.Linear(6, 16), nn.LayerNorm(16), nn.Linear(16, 16), nn.Linear(16, 5)
