@@ -164,6 +164,17 @@ def encoder_under_a_cap():
     return model, torch.randn(196, 64, 64, dtype=torch.float64)
 
 
+def first_read_under(cap, lazy, x):
+    """The encoder's first read on a fresh workspace model under `cap`: its result, within the cap."""
+    torch_lazymem._C._clear_workspace()
+    torch.lazymem.synchronize()
+    torch.lazymem.reset_peak_memory_stats()
+    torch_lazymem.reset_stats()
+    got = lazy(x.to("lazymem")).cpu()
+    assert torch.lazymem.max_memory_allocated() <= cap
+    return got
+
+
 def test_a_kernel_that_allocates_inside_is_predicted_before_it_first_runs():
     """The fused encoder layer's kernel holds several times its output in temporaries, which its
     outputs do not show. Before the first plan runs it, it is measured on a row and on two of zeros
@@ -176,13 +187,8 @@ def test_a_kernel_that_allocates_inside_is_predicted_before_it_first_runs():
             copy.deepcopy(model)(x.clone())
         expected = model(x)
         lazy = copy.deepcopy(model).to("lazymem")
-        torch_lazymem._C._clear_workspace()
         with simulated_device(cap):
-            torch.lazymem.synchronize()
-            torch.lazymem.reset_peak_memory_stats()
-            torch_lazymem.reset_stats()
-            got = lazy(x.to("lazymem")).cpu()
-            assert torch.lazymem.max_memory_allocated() <= cap
+            got = first_read_under(cap, lazy, x)
     stats = torch_lazymem.stats()
     assert stats["oom_retries"] == 0 and stats["splits"] >= 1, stats
     assert 0.98 <= stats["predicted_peak_bytes"] / stats["peak_bytes"] <= 1.02, stats
@@ -199,13 +205,8 @@ def test_a_workspace_larger_than_known_is_learned_and_the_program_planned_again(
     with torch.no_grad():
         expected = model(x)
         lazy = copy.deepcopy(model).to("lazymem")
-        torch_lazymem._C._clear_workspace()
         with simulated_device(cap), no_workspace_probes():
-            torch.lazymem.synchronize()
-            torch.lazymem.reset_peak_memory_stats()
-            torch_lazymem.reset_stats()
-            got = lazy(x.to("lazymem")).cpu()
-            assert torch.lazymem.max_memory_allocated() <= cap
+            got = first_read_under(cap, lazy, x)
     stats = torch_lazymem.stats()
     assert stats["oom_retries"] >= 1 and stats["splits"] >= 1, stats
     torch.testing.assert_close(got, expected)
