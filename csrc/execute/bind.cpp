@@ -72,6 +72,9 @@ void check_shape(const Def& d, const TensorMeta& m, const at::Tensor& r, bool pl
 } // namespace
 
 at::Tensor storage_view(const c10::Storage& storage, const TensorMeta& meta, bool host) {
+  // A view past the storage's end reads another block's bytes: a wrong answer, never a result.
+  LAZYMEM_INTERNAL_ASSERT(meta.numel() == 0 || meta.extent_bytes() <= storage.nbytes(), "a view ", meta.to_string(),
+                          " reaches past the end of its storage of ", storage.nbytes(), " bytes");
   auto impl = c10::make_intrusive<c10::TensorImpl>(
       c10::Storage(storage), c10::DispatchKeySet(host ? c10::DispatchKey::CPU : backing_key()),
       caffe2::TypeMeta::fromScalarType(meta.dtype));
@@ -152,14 +155,15 @@ at::Tensor Binder::use(const PlannedNode& pn, size_t i) {
       return slot_view(bd->slot, u.ref.meta, true);
     case Bind::kNarrow: {
       LAZYMEM_INTERNAL_ASSERT(b.has_real(), pn.node->describe(), " reads rows of b", b.id, " which has no storage");
+      // The buffer's own rows in this chunk (a slice of the batch, x[:h], holds fewer than the chunk).
+      const auto [first, count] = rows_of(bd->map);
       if (bd->outer != 1) {
         // Rows of every block of a time-major flatten: gathered into a copy of the chunk's shape.
         LAZYMEM_INTERNAL_ASSERT(!u.write, pn.node->describe(), " writes rows of a time-major flatten in place");
-        const TensorMeta g = gathered_rows(u.ref.meta, bd->dim, bd->unit, bd->outer, c1_ - c0_);
-        return real_view(b, narrow_rows_blocks(u.ref.meta, bd->dim, bd->unit, bd->outer, c0_, c1_ - c0_))
+        const TensorMeta g = gathered_rows(u.ref.meta, bd->dim, bd->unit, bd->outer, count);
+        return real_view(b, narrow_rows_blocks(u.ref.meta, bd->dim, bd->unit, bd->outer, first, count))
             .reshape(g.sizes);
       }
-      const auto [first, count] = rows_of(bd->map);
       if (b.real_on_host && !backing_device().is_cpu()) {
         // A value stored in host memory because it did not fit the device: its rows are brought over.
         return real_view(b, narrow_rows(u.ref.meta, bd->dim, bd->unit, first, count)).to(backing_device());
@@ -187,8 +191,8 @@ TensorMeta Binder::def_meta(const PlannedNode& pn, size_t i) const {
     case Bind::kLocal:
       return localize(d.ref.meta, stage_.slots[bd->slot].layout, c0_, c1_);
     case Bind::kNarrow: {
-      if (bd->outer != 1) return gathered_rows(d.ref.meta, bd->dim, bd->unit, bd->outer, c1_ - c0_);
       const auto [first, count] = rows_of(bd->map);
+      if (bd->outer != 1) return gathered_rows(d.ref.meta, bd->dim, bd->unit, bd->outer, count);
       return narrow_rows(d.ref.meta, bd->dim, bd->unit, first, count);
     }
     default:
@@ -236,7 +240,8 @@ void Binder::def(const PlannedNode& pn, size_t i, const at::Tensor& r, Taken& ta
       return;
     }
     if (bd->outer != 1) { // scattered into every block of a time-major flatten
-      const TensorMeta e = narrow_rows_blocks(d.ref.meta, bd->dim, bd->unit, bd->outer, c0_, c1_ - c0_);
+      const auto [first, count] = rows_of(bd->map);
+      const TensorMeta e = narrow_rows_blocks(d.ref.meta, bd->dim, bd->unit, bd->outer, first, count);
       real_view(b, e).copy_(r.reshape(e.sizes));
       return;
     }

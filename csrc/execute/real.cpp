@@ -54,6 +54,9 @@ void ensure_real(LazyBuffer& b, size_t need) {
 
 at::Tensor real_view(LazyBuffer& b, const TensorMeta& meta) {
   LAZYMEM_INTERNAL_ASSERT(b.has_real(), "real_view of buffer b", b.id, " that has no real data");
+  // A view past the storage's end reads another block's bytes: a wrong answer, never a result.
+  LAZYMEM_INTERNAL_ASSERT(meta.numel() == 0 || meta.extent_bytes() <= b.real.nbytes(), "a view ", meta.to_string(),
+                          " of b", b.id, " reaches past the end of its storage of ", b.real.nbytes(), " bytes");
   auto impl = c10::make_intrusive<c10::TensorImpl>(
       c10::Storage(b.real), c10::DispatchKeySet(b.real_on_host ? c10::DispatchKey::CPU : backing_key()),
       caffe2::TypeMeta::fromScalarType(meta.dtype));

@@ -181,15 +181,17 @@ void replay_row_keyed(const PlannedNode& pn, Binder& binder, torch::jit::Stack& 
     for (size_t k = 0; k < n.uses.size(); ++k) {
       at::Tensor v = uv[k];
       if (rk.uses[k].first >= 0) {
-        if (cut) {
+        v = rows_of(v, rk.uses[k], lo - s0, hi - lo);
+        // A kernel draws its numbers in the order of the memory it fills: a block is drawn into a
+        // dense batch-major temporary whenever the chunk's storage is not one (a block the chunk cuts,
+        // a time-major value's rows), so every row gets the same numbers whatever the chunking.
+        if (cut || (n.uses[k].write && !v.is_contiguous())) {
           LAZYMEM_INTERNAL_ASSERT(n.uses[k].write, n.describe(), ": a chunk cuts a random block of an input");
           std::vector<int64_t> sizes(v.sizes().begin(), v.sizes().end());
           sizes[rk.uses[k].first] = count * rk.uses[k].second;
           at::Tensor t = at::empty(sizes, v.options());
           temps.emplace_back(k, t);
           v = t;
-        } else {
-          v = rows_of(v, rk.uses[k], lo - s0, hi - lo);
         }
       }
       place(stack, n.uses[k].arg, n.uses[k].elem, c10::IValue(std::move(v)));

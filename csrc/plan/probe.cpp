@@ -83,8 +83,9 @@ ChunkCall chunk_call(const Stage& st, const PlannedNode& pn, int64_t c0, int64_t
         break;
       }
       case Bind::kNarrow:
-        if (bd.outer != 1) { // a gathered copy
-          const TensorMeta g = gathered_rows(u.ref.meta, bd.dim, bd.unit, bd.outer, c1 - c0);
+        if (bd.outer != 1) { // a gathered copy of the buffer's rows in the chunk
+          const auto [first, last] = bd.map.local(c0, c1);
+          const TensorMeta g = gathered_rows(u.ref.meta, bd.dim, bd.unit, bd.outer, last - first);
           add(u.arg, u.elem, g, next--, static_cast<int64_t>(g.extent_bytes()));
           break;
         }
@@ -149,7 +150,8 @@ std::string probe_chunk(const Stage& st, const PlannedNode& pn, int64_t c0, int6
     TensorMeta want = d.ref.meta;
     if (bd.bind == Bind::kLocal) want = localize(d.ref.meta, st.slots[bd.slot].layout, c0, c1);
     if (bd.bind == Bind::kNarrow) {
-      want = bd.outer != 1 ? gathered_rows(d.ref.meta, bd.dim, bd.unit, bd.outer, c1 - c0) : narrowed(d.ref.meta, bd);
+      const auto [first, last] = bd.map.local(c0, c1);
+      want = bd.outer != 1 ? gathered_rows(d.ref.meta, bd.dim, bd.unit, bd.outer, last - first) : narrowed(d.ref.meta, bd);
     }
     const ProbeOutput::Item* got = out->find(d.ret, d.elem);
     if (!got || got->dtype != want.dtype || !c10::IntArrayRef(got->sizes).equals(want.sizes)) {

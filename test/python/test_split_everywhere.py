@@ -432,6 +432,57 @@ def test_halves_of_the_batch_through_a_sequence_model_split_along_the_sequence()
     check_split(run, chunks=(2,))
 
 
+@pytest.mark.parametrize("B,T,E,heads", [(8, 3, 4, 1), (96, 10, 16, 4)], ids=["small", "fuzzer_size"])
+def test_attention_over_half_the_batch_reads_only_that_half(B, T, E, heads):
+    """Regression (tools/program_fuzz.py seeds 437, 550, 1195, 1254, 1773): MultiheadAttention
+    (batch_first) over x[:B//2] makes its out-projection's gradient a time-major (T*B/2, E) flatten
+    of a value holding half the batch. A chunk's rows of such a flatten were gathered by the chunk's
+    batch rows, not the value's own rows: past the end of its storage (garbage, up to 1e302, in the
+    out-projection bias's gradient) or other rows. Gathers and scatters of time-major flattens now
+    use the value's row map; a view past the end of its storage is an internal error, not a read."""
+    torch.manual_seed(0)
+    x, y = torch.randint(1, 40, (B, T)), torch.randint(0, 5, (B,))
+    emb, att, head = nn.Embedding(40, E), nn.MultiheadAttention(E, heads, batch_first=True), nn.Linear(E, 5)
+    mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
+
+    def run(dev):
+        e, a, o = (copy.deepcopy(m).double().to(dev) for m in (emb, att, head))
+        xs, ys, m = x.to(dev), y.to(dev), mask.to(dev)
+        for part in (slice(0, B // 2), slice(B // 2, B)):
+            h = e(xs[part])
+            h = h + a(h, h, h, attn_mask=m, need_weights=False)[0]
+            F.cross_entropy(o(h.mean(1)), ys[part]).backward()
+        return [p.grad for mod in (e, a, o) for p in mod.parameters()]
+
+    check_split(run, chunks=(1, 2, 3))
+
+
+def test_dropout_over_a_time_major_value_draws_the_same_mask_in_any_chunking():
+    """Regression (tools/program_fuzz.py seed 1689, a GRU then dropout): a row-keyed random fill of
+    a value stored time-major ((T, B, F) storage of a (B, T, F) view) drew a block of rows in the
+    order of its storage when the chunk held the whole block, and batch-major when a chunk cut the
+    block: the mask, hence the loss, depended on the chunk count. Blocks are now always drawn
+    batch-major."""
+    torch.manual_seed(0)
+    B, T, W = 12, 3, 2
+    x = torch.randn(B, T, W, dtype=D)
+    w = torch.arange(B * T * W, dtype=D).reshape(B, T, W)
+    sums = []
+    for n in (1, 2, 3, 5):
+        with force_chunks(n):
+            torch.manual_seed(1)
+            h = x.to("lazymem").transpose(0, 1).contiguous().transpose(0, 1)  # time-major storage
+            y = F.dropout(h, 0.5)
+            sums.append((y * w.to("lazymem")).sum().item())
+            assert torch_lazymem.stats()["random_row_keyed"] > 0
+    assert all(s == pytest.approx(sums[0], rel=1e-12) for s in sums), sums
+    # A batch-major copy of the same values draws the same mask.
+    with force_chunks(2):
+        torch.manual_seed(1)
+        y = F.dropout(x.to("lazymem") * 1, 0.5)
+        assert (y * w.to("lazymem")).sum().item() == pytest.approx(sums[0], rel=1e-12)
+
+
 def test_two_towers_under_a_cap():
     check_capped(towers_program(2000, hidden=256), 4 * MiB)
 
