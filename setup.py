@@ -14,7 +14,7 @@ from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension, include_paths, library_paths
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-CORE_DIRS = ["core", "ir", "ops", "plan", "execute", "device", "record", "record/composite", "sync"]
+CORE_DIRS = ["core", "ir", "ops", "plan", "execute", "device", "record", "record/composite", "sync", "dist"]
 CORE_NAME = "torch_lazymem.lib.lazymem_core"
 CXX_FLAGS = ["-O2", "-g0", "-fvisibility-inlines-hidden", "-Wall", "-Wno-unused-parameter", "-Wno-unused-function"]
 LINK_FLAGS = []

@@ -55,6 +55,10 @@ __version__ = "0.1.0"
 _register()
 _C._set_progress_callback(_report_progress)
 
+from . import distributed as _distributed  # noqa: E402  (the c10d backend of the lazymem device)
+
+_distributed.register()
+
 from . import testing  # noqa: E402,F401  (needs the registered device)
 
 del torch

@@ -45,6 +45,8 @@ std::map<std::string, int64_t> Stats::snapshot() const {
       {"fingerprints_from_tape", ld(fingerprints_from_tape)},
       {"values_recomputed", ld(values_recomputed)},
       {"values_in_host_memory", ld(values_in_host_memory)},
+      {"collectives", ld(collectives)},
+      {"collective_bytes", ld(collective_bytes)},
   };
 }
 
@@ -76,6 +78,8 @@ void Stats::reset() {
   fingerprints_from_tape = 0;
   values_recomputed = 0;
   values_in_host_memory = 0;
+  collectives = 0;
+  collective_bytes = 0;
 }
 
 static Config* make_config() {

@@ -39,6 +39,8 @@ struct Stats {
   std::atomic<uint64_t> fingerprints_from_tape{0}; // plan fingerprints read from the Program's tape (ir/tape.h)
   std::atomic<uint64_t> values_recomputed{0};  // values crossing passes recomputed per pass, not stored
   std::atomic<uint64_t> values_in_host_memory{0}; // batch-sharded values a split assembled in host memory
+  std::atomic<uint64_t> collectives{0};      // torch.distributed collectives run (dist/collectives.cpp)
+  std::atomic<uint64_t> collective_bytes{0}; // bytes they sent from this rank (their inputs' sizes)
   std::map<std::string, int64_t> snapshot() const;
   void reset();
 };

@@ -111,6 +111,7 @@ OpRules compute(const c10::OperatorHandle& op) {
     if (k == c10::TypeKind::OptionalType) tensor_return = true;
   }
   r.effect_only = !tensor_return && !r.any_write && !r.eager;
+  r.collective = name.rfind("lazymem::c10d_", 0) == 0;
   r.float_values_shape_free = op.hasTag(at::Tag::pointwise) || name.rfind("aten::_foreach_", 0) == 0;
   r.placeholder_outputs = name == "aten::native_batch_norm" || name == "aten::_native_batch_norm_legit" ||
       name == "aten::_native_batch_norm_legit_no_training";

@@ -36,6 +36,9 @@ struct OpRules {
   bool placeholder_outputs = false;
   // No tensor returns and no mutable arguments: kept for its side effect (asserts).
   bool effect_only = false;
+  // A torch.distributed collective (lazymem::c10d_*, dist/collectives.cpp): effectful although it
+  // writes its tensors; every rank runs it once, whole, in program order.
+  bool collective = false;
   int32_t generator_arg = -1;
   // An int argument naming per-call state rather than structure (the ragged sink's collector
   // token): left out of meta-cache keys and plan fingerprints.

@@ -148,6 +148,16 @@ std::string Plan::to_string(bool nodes) const {
     }
     if (nodes) {
       for (const PlannedNode& pn : st.nodes) os << "      " << node_line(pn) << "\n";
+    } else {
+      // torch.distributed collectives (dist/collectives.cpp): where each runs, once, in record order.
+      for (const PlannedNode& pn : st.nodes) {
+        const std::string& name = pn.op.operator_name().name;
+        if (name.rfind("lazymem::c10d_", 0) != 0) continue;
+        int64_t bytes = 0;
+        for (const Use& u : pn.node->uses) bytes += u.write && u.ref.buf->nbytes.load() > 1 ? u.ref.meta.numel() * c10::elementSize(u.ref.meta.dtype) : 0;
+        os << "    collective: " << name.substr(14, name.size() - 15) << " (op #" << pn.node->seq << " of the recorded program, "
+           << format_bytes(bytes) << "), once" << (st.loop ? " per chunk" : "") << "\n";
+      }
     }
   }
   return os.str();

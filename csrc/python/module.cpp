@@ -14,6 +14,7 @@
 #include "core/check.h"
 #include "core/config.h"
 #include "core/runtime.h"
+#include "dist/collectives.h"
 #include "device/generator.h"
 #include "device/phantom.h"
 #include "execute/memory.h"
@@ -190,6 +191,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("_parse_bytes", wrap([](const std::string& s) { return parse_bytes(s); }));
   m.def("_format_bytes", [](int64_t n) { return format_bytes(n); });
 
+  m.def("_dist_backend", wrap([](c10::intrusive_ptr<c10d::Backend> inner, int rank, int size) {
+    return make_dist_backend(std::move(inner), rank, size);
+  }));
   m.def("_set_backing_device", wrap(set_backing_device));
   m.def("_backing_device", backing_device_name);
 

@@ -163,7 +163,7 @@ class Emitter {
     n.device_args.assign(rules.device_args.begin(), rules.device_args.end());
     if (call_.cacheable) n.sig = meta_.id;
     n.grad_mode = c10::GradMode::is_enabled();
-    n.effectful = rules.effect_only;
+    n.effectful = rules.effect_only || rules.collective;
     n.floats_shape_free = rules.float_values_shape_free;
     n.state_arg = rules.state_arg;
     LazyGenerator* gen = nullptr;
