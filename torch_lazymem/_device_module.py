@@ -75,6 +75,47 @@ def synchronize(device: Any = None) -> None:
     _C._synchronize()
 
 
+# Streams and events. lazymem runs every op in the order it was recorded (one program, one
+# order), so each stream is the device's one stream: waits between streams are already satisfied,
+# synchronizing one runs what is recorded. torch.Stream / torch.Event of the lazymem device (its
+# DeviceGuardImpl) are what these return; FSDP2 and DDP's stream handling use them.
+
+
+def Stream(device: Any = None, priority: int = 0, **kwargs: Any) -> torch.Stream:  # noqa: N802 - torch's name
+    _check_index(device)
+    return torch.Stream(device="lazymem", priority=priority)
+
+
+def Event(enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> torch.Event:  # noqa: N802
+    return torch.Event(device="lazymem", enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
+
+
+def current_stream(device: Any = None) -> torch.Stream:
+    _check_index(device)
+    return torch.Stream(device="lazymem")
+
+
+def default_stream(device: Any = None) -> torch.Stream:
+    return current_stream(device)
+
+
+def set_stream(stream: torch.Stream) -> None:
+    pass
+
+
+class stream:  # noqa: N801 - torch's name (torch.cuda.stream)
+    """Context manager selecting a stream: every lazymem stream is the one stream."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def __enter__(self) -> Any:
+        return self.stream
+
+    def __exit__(self, *args: Any) -> None:
+        pass
+
+
 def get_amp_supported_dtype() -> list[torch.dtype]:
     return [torch.float16, torch.bfloat16]
 

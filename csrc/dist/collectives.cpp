@@ -141,6 +141,25 @@ void all_to_all_single(const at::Tensor& output, const at::Tensor& input, const 
   finish(inner_of(backend)->alltoall_base(out, in, os, is), static_cast<int64_t>(in.numel() * in.element_size()));
 }
 
+// gather / scatter: the root's list is `lists` (one tensor per rank); other ranks pass none.
+void gather(at::TensorList lists, const at::Tensor& input, const at::Tensor&, int64_t backend, int64_t root) {
+  std::vector<std::vector<at::Tensor>> outs;
+  if (!lists.empty()) outs.push_back(vec(lists));
+  std::vector<at::Tensor> ins{input};
+  c10d::GatherOptions o;
+  o.rootRank = root;
+  finish(inner_of(backend)->gather(outs, ins, o), nbytes(ins));
+}
+
+void scatter(const at::Tensor& output, at::TensorList lists, const at::Tensor&, int64_t backend, int64_t root) {
+  std::vector<at::Tensor> outs{output};
+  std::vector<std::vector<at::Tensor>> ins;
+  if (!lists.empty()) ins.push_back(vec(lists));
+  c10d::ScatterOptions o;
+  o.rootRank = root;
+  finish(inner_of(backend)->scatter(outs, ins, o), nbytes(lists));
+}
+
 void barrier(const at::Tensor&, int64_t backend) {
   finish(inner_of(backend)->barrier(), 0);
 }
@@ -155,6 +174,8 @@ TORCH_LIBRARY_FRAGMENT(lazymem, m) {
         "int op) -> ()");
   m.def("c10d_all_to_all_single_(Tensor(a!) output, Tensor input, Tensor(t!) token, int backend, int[] out_splits, "
         "int[] in_splits) -> ()");
+  m.def("c10d_gather_(Tensor(a!)[] outputs, Tensor input, Tensor(t!) token, int backend, int root) -> ()");
+  m.def("c10d_scatter_(Tensor(a!) output, Tensor[] inputs, Tensor(t!) token, int backend, int root) -> ()");
   m.def("c10d_barrier_(Tensor(t!) token, int backend) -> ()");
 }
 
@@ -166,6 +187,8 @@ TORCH_LIBRARY_FRAGMENT(lazymem, m) {
   m.impl("c10d_all_gather_into_tensor_", TORCH_FN(all_gather_into_tensor));            \
   m.impl("c10d_reduce_scatter_tensor_", TORCH_FN(reduce_scatter_tensor));              \
   m.impl("c10d_all_to_all_single_", TORCH_FN(all_to_all_single));                      \
+  m.impl("c10d_gather_", TORCH_FN(gather));                                            \
+  m.impl("c10d_scatter_", TORCH_FN(scatter));                                          \
   m.impl("c10d_barrier_", TORCH_FN(barrier))
 
 TORCH_LIBRARY_IMPL(lazymem, CPU, m) {
@@ -186,6 +209,8 @@ TORCH_LIBRARY_IMPL(lazymem, Meta, m) {
   m.impl("c10d_reduce_scatter_tensor_", [](at::TensorList, at::TensorList, const at::Tensor&, int64_t, int64_t) {});
   m.impl("c10d_all_to_all_single_",
          [](const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, at::IntArrayRef, at::IntArrayRef) {});
+  m.impl("c10d_gather_", [](at::TensorList, const at::Tensor&, const at::Tensor&, int64_t, int64_t) {});
+  m.impl("c10d_scatter_", [](const at::Tensor&, at::TensorList, const at::Tensor&, int64_t, int64_t) {});
   m.impl("c10d_barrier_", [](const at::Tensor&, int64_t) {});
 }
 
@@ -345,6 +370,34 @@ class DistBackend final : public c10d::Backend {
     return work(c10d::OpType::ALLTOALL_BASE, {output});
   }
 
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override {
+    LAZYMEM_CHECK(inputs.size() == 1 && outputs.size() <= 1, "dist.gather expects one input tensor and at most one ",
+                  "list of outputs, got ", inputs.size(), " and ", outputs.size());
+    check("gather", inputs);
+    std::vector<at::Tensor> list = outputs.empty() ? std::vector<at::Tensor>{} : outputs[0];
+    check("gather", list);
+    LAZYMEM_CHECK(rank_ == opts.rootRank ? static_cast<int>(list.size()) == size_ : list.empty(),
+                  "dist.gather: the destination rank passes one output per rank (", size_, "), the others none; rank ",
+                  rank_, " passed ", list.size());
+    record("lazymem::c10d_gather_", {list, inputs[0], token_, id_, opts.rootRank});
+    return work(c10d::OpType::GATHER, list.empty() ? std::vector<at::Tensor>{token_} : list);
+  }
+
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override {
+    LAZYMEM_CHECK(outputs.size() == 1 && inputs.size() <= 1, "dist.scatter expects one output tensor and at most one ",
+                  "list of inputs, got ", outputs.size(), " and ", inputs.size());
+    check("scatter", outputs);
+    std::vector<at::Tensor> list = inputs.empty() ? std::vector<at::Tensor>{} : inputs[0];
+    check("scatter", list);
+    LAZYMEM_CHECK(rank_ == opts.rootRank ? static_cast<int>(list.size()) == size_ : list.empty(),
+                  "dist.scatter: the source rank passes one input per rank (", size_, "), the others none; rank ",
+                  rank_, " passed ", list.size());
+    record("lazymem::c10d_scatter_", {outputs[0], list, token_, id_, opts.rootRank});
+    return work(c10d::OpType::SCATTER, outputs);
+  }
+
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions&) override {
     record("lazymem::c10d_barrier_", {token_, id_});
     return work(c10d::OpType::BARRIER, {token_});
@@ -354,14 +407,6 @@ class DistBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>&, std::vector<at::Tensor>&,
                                                      const c10d::AllgatherOptions&) override {
     unsupported("all_gather_coalesced");
-  }
-  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>&, std::vector<at::Tensor>&,
-                                        const c10d::GatherOptions&) override {
-    unsupported("gather");
-  }
-  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>&, std::vector<std::vector<at::Tensor>>&,
-                                         const c10d::ScatterOptions&) override {
-    unsupported("scatter");
   }
   c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>&, std::vector<std::vector<at::Tensor>>&,
                                                 const c10d::ReduceScatterOptions&) override {
@@ -385,7 +430,7 @@ class DistBackend final : public c10d::Backend {
   [[noreturn]] static void unsupported(const char* what) {
     LAZYMEM_CHECK(false, "torch.distributed ", what, " is not supported on lazymem tensors (supported: ",
                   "all_reduce, broadcast, reduce, all_gather, all_gather_into_tensor, reduce_scatter_tensor, ",
-                  "all_to_all_single, barrier and their coalesced forms); move the tensors to the backing device ",
+                  "all_to_all_single, gather, scatter, barrier and their coalesced forms); move the tensors to the backing device ",
                   "with .cpu() / .cuda() for it");
     throw; // (unreachable)
   }

@@ -77,6 +77,24 @@ def collectives(rank: int, size: int) -> dict:
     _same(lazy[0], cpu[0], "all_to_all_single")
     count += 1
 
+    # gather / scatter with the last rank as root.
+    root = size - 1
+    x = torch.randn(2, dtype=D, generator=g)
+    ref = [torch.zeros(2, dtype=D) for _ in range(size)] if rank == root else None
+    dist.gather(x, ref, dst=root)
+    got = [torch.zeros(2, dtype=D).to(LZ) for _ in range(size)] if rank == root else None
+    dist.gather(x.to(LZ), got, dst=root)
+    if rank == root:
+        for k, (o, e) in enumerate(zip(got, ref)):
+            _same(o, e, f"gather[{k}]")
+    count += 1
+    pieces = [torch.full((3,), 10.0 * k, dtype=D) for k in range(size)] if rank == root else None
+    ref_out, out = torch.zeros(3, dtype=D), torch.zeros(3, dtype=D).to(LZ)
+    dist.scatter(ref_out, pieces, src=root)
+    dist.scatter(out, [p.to(LZ) for p in pieces] if pieces else None, src=root)
+    _same(out, ref_out, "scatter")
+    count += 1
+
     # async_op: the Work's future resolves to the (lazy) outputs at once; wait() is a sync point.
     t = torch.full((3,), float(rank + 1), dtype=D).to(LZ)
     work = dist.all_reduce(t, async_op=True)
@@ -124,7 +142,7 @@ def collective_errors(rank: int, size: int) -> list[str]:
     cases = [
         lambda: dist.all_reduce(torch.ones(3).to(LZ), op=dist.ReduceOp.AVG),
         lambda: dist.all_reduce(torch.ones(4, 4).to(LZ).t()[0]),
-        lambda: dist.gather(torch.ones(2).to(LZ), [torch.ones(2).to(LZ) for _ in range(size)] if rank == 0 else None),
+        lambda: dist.send(torch.ones(2).to(LZ), dst=1 - rank) if rank < 2 else dist.send(torch.ones(2).to(LZ), dst=0),
         lambda: dist.all_gather_into_tensor(torch.zeros(3).to(LZ), torch.ones(2).to(LZ)),
     ]
     for case in cases:
@@ -430,3 +448,108 @@ def oom_then_retry(rank: int, size: int) -> list[float]:
     value = loss.item()
     check_params(m, expected, f"rank {rank} after an out-of-memory error on rank 0")
     return [value, float(raised)]
+
+
+def fsdp2_exact(rank: int, size: int, chunks: int) -> list[float]:
+    """FSDP2 (fully_shard on each layer and the root) on a lazymem device mesh, 3 AdamW steps split
+    in `chunks`: every parameter (gathered) equals single-process eager on the concatenated batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from torch_lazymem.testing import force_chunks
+
+    rows = [6] * size
+    model, data = mlp(), batches(sum(rows), 3)
+    expected = reference_training(model, data, rows)
+    mesh = init_device_mesh(LZ, (size,))
+    m = copy.deepcopy(model).to(LZ)
+    for layer in m:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    losses = []
+    with force_chunks(chunks):
+        for x, y in data:
+            s = shard(rows, rank)
+            loss = F.cross_entropy(m(x[s].to(LZ)), y[s].to(LZ))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    for (name, p), q in zip(m.named_parameters(), expected.parameters()):
+        torch.testing.assert_close(p.full_tensor().cpu(), q.detach(), msg=lambda msg, name=name: f"FSDP2 {name}: {msg}")
+    return losses
+
+
+def dtensor_ops(rank: int, size: int) -> list[float]:
+    """DTensor on a lazymem mesh: distribute (scatter), a sharded matmul and reductions, redistribute
+    (all-gather), equal to the same on whole tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh(LZ, (size,))
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4 * size, 5, dtype=D, generator=g), torch.randn(5, 3, dtype=D, generator=g)
+    da = distribute_tensor(a.to(LZ), mesh, [Shard(0)])
+    db = distribute_tensor(b.to(LZ), mesh, [Replicate()])
+    prod = da @ db
+    _same(prod.full_tensor(), a @ b, "sharded matmul")
+    _same(prod.redistribute(mesh, [Replicate()]).to_local(), a @ b, "redistribute")
+    total = prod.sum().full_tensor()
+    torch.testing.assert_close(total.cpu(), (a @ b).sum())
+    return [float(total.item())]
+
+
+class BnNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def sync_batch_norm(rank: int, size: int, chunks: int) -> list[float]:
+    """SyncBatchNorm under DDP in training, split in `chunks`: statistics over all chunks of all
+    ranks, so every parameter and running statistic equals single-process eager BatchNorm on the
+    concatenated batch (3 SGD steps)."""
+    from torch_lazymem.testing import force_chunks
+
+    rows = [6] * size
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(sum(rows), 3, 5, 5, dtype=D, generator=g), torch.randint(0, 4, (sum(rows),), generator=g))
+            for _ in range(3)]
+    model = BnNet().double()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in data:
+        ref_opt.zero_grad()
+        # one BatchNorm over the whole batch; each rank's mean loss weighted equally (DDP's average)
+        out = ref(x)
+        sum(F.cross_entropy(out[shard(rows, r)], y[shard(rows, r)]) for r in range(size)).div(size).backward()
+        ref_opt.step()
+    m = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model)).to(LZ)
+    ddp = nn.parallel.DistributedDataParallel(m)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    import torch_lazymem
+
+    torch_lazymem.reset_stats()
+    losses = []
+    with force_chunks(chunks):
+        for x, y in data:
+            s = shard(rows, rank)
+            loss = F.cross_entropy(ddp(x[s].to(LZ)), y[s].to(LZ))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    assert torch_lazymem.stats()["splits"] > 0
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), msg=lambda msg, name=name: f"SyncBN {name}: {msg}")
+    for (name, b), q in zip(m.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b.cpu(), q, msg=lambda msg, name=name: f"SyncBN buffer {name}: {msg}")
+    return losses

@@ -18,21 +18,21 @@ MiB = 1 << 20
 
 def test_collectives_equal_gloo_on_cpu_tensors():
     # all_reduce (every ReduceOp gloo supports), broadcast, all_gather, all_gather_into_tensor,
-    # reduce_scatter_tensor, all_to_all_single (uneven), async Work and its future, coalesced
-    # forms, the backend's barrier; each counted once in stats()["collectives"].
+    # reduce_scatter_tensor, all_to_all_single (uneven), gather, scatter, async Work and its
+    # future, coalesced forms, the backend's barrier; each counted once in stats()["collectives"].
     results = run_ranks(P.collectives, 2)
-    assert results[0] == results[1] == {"collectives": 16}
+    assert results[0] == results[1] == {"collectives": 18}
 
 
 def test_collectives_on_three_ranks():
-    assert run_ranks(P.collectives, 3)[0] == {"collectives": 16}
+    assert run_ranks(P.collectives, 3)[0] == {"collectives": 18}
 
 
 def test_bad_collectives_raise_lazymem_errors_and_lose_nothing():
     for messages in run_ranks(P.collective_errors, 2):
         assert "dist.all_reduce with ReduceOp.AVG is not supported by the gloo backend" in messages[0]
         assert "dist.all_reduce expects contiguous tensors" in messages[1]
-        assert "torch.distributed gather is not supported on lazymem tensors" in messages[2]
+        assert "torch.distributed send is not supported on lazymem tensors" in messages[2]
         assert "all_gather_into_tensor with 2 ranks needs a tensor of 2 times" in messages[3]
         assert all(m.startswith("lazymem: ") for m in messages), messages
 
@@ -103,3 +103,19 @@ def test_gpt2_with_ddp_split_in_2_chunks():
     pytest.importorskip("transformers")
     losses = run_ranks(P.gpt2_ddp, 2, 2, timeout=600)
     assert all(len(r) == 3 for r in losses)
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_sync_batch_norm_statistics_over_all_chunks_of_all_ranks(chunks):
+    losses = run_ranks(P.sync_batch_norm, 2, chunks)
+    assert all(len(r) == 3 for r in losses)
+
+
+def test_fsdp2_fully_shard_equals_single_process_training():
+    losses = run_ranks(P.fsdp2_exact, 2, 2)
+    assert all(len(r) == 3 for r in losses)
+
+
+def test_dtensor_sharded_ops_equal_whole_tensors():
+    results = run_ranks(P.dtensor_ops, 2)
+    assert results[0] == results[1]
