@@ -18,8 +18,9 @@ The grammar:
 Each program prints one of:
   ok        equal to eager (assert_close defaults), measured peak within the cap
   oom       torch.OutOfMemoryError, by cause: `unsplittable` (explain(): a value that must be held
-            whatever the chunk size exceeds the cap, or the message names one value larger than the
-            cap), `barrier` (an op that runs whole), `forced chunks` (a dropout program, run in a fixed
+            whatever the chunk size exceeds the cap, the message names one value larger than the
+            cap, or a program with no batch needs more than the cap for what it holds before it runs,
+            the new values that outlive it and one allocation), `barrier` (an op that runs whole), `forced chunks` (a dropout program, run in a fixed
             number of chunks for the comparison below, which ignores the cap), `torn` (a loop that
             updates an earlier value in place ran out of memory part way: the value is lost, not
             recomputed twice), `other`
@@ -312,6 +313,16 @@ def classify_oom(message: str, cap: int) -> str:
         return "unsplittable"
     if any(size > cap for size in named_sizes(message)):
         return "unsplittable"
+    # A program with no batch at all (an optimizer step planned on its own) whose whole run does not
+    # fit: what is held before it runs, the new values that outlive it (the optimizer's state) and
+    # one allocation it must make exceed the cap.
+    held = re.search(r"of which ([0-9.]+) (bytes|KiB|MiB|GiB) is held before the program runs and "
+                     r"([0-9.]+) (bytes|KiB|MiB|GiB) by new values that outlive it", message)
+    asked = re.search(r"Tried to allocate ([0-9.]+) (bytes|KiB|MiB|GiB)", message)
+    if "no data leaf" in message and held and asked:
+        need = sum(float(held.group(i)) * _UNITS[held.group(i + 1)] for i in (1, 3))
+        if need + float(asked.group(1)) * _UNITS[asked.group(2)] > cap:
+            return "unsplittable"
     if "barrier" in message or "runs whole" in message or "run whole" in message:
         return "barrier"
     return "other"

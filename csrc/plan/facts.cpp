@@ -34,9 +34,12 @@ void note_unsplit_facts(const std::vector<Node*>& nodes, const Schedule& s, cons
       if (ni.node->uses[k].write) last[ni.use_buf[k]] = ni.node->uses[k].write_version;
     }
   }
+  // Values that survive the plan, and the plan's own intermediates: an execution that stops part
+  // way (out of memory, planned again from there) leaves those it stored for the rest, which must
+  // still split by them (the executor records a fact only on a buffer holding its version).
   for (size_t b = 0; b < a.program_bufs; ++b) {
     const BufInfo& bi = a.bufs[b];
-    if (!bi.place.is_s() || !bi.live || (last[b] == 0 && !bi.seed)) continue;
+    if (!bi.place.is_s() || (last[b] == 0 && !(bi.live && bi.seed))) continue;
     const uint32_t version = last[b] > 0 ? last[b] : bi.buf->real_version;
     if (version == 0) continue;
     BatchClass& c = a.batches[a.find(bi.place.batch)];

@@ -129,8 +129,17 @@ Plan plan_anew(const PlanInput& in) {
     return plan;
   }
   if (over && at && at->node) {
+    // What no schedule frees: the values held before the program and the new values that outlive it
+    // (an optimizer's first step creates its state).
+    int64_t outlive = 0;
+    for (size_t b = 0; b < s.index.size(); ++b) {
+      const LazyBuffer* buf = s.index.buffers[b];
+      if (s.live[b] && !buf->has_real()) outlive += static_cast<int64_t>(buf->nbytes.load());
+    }
     plan.notes.push_back("does not fit unsplit: predicted peak " + format_bytes(plan.predicted_peak) + " at " +
-                         at->node->describe() + " exceeds the budget of " + format_bytes(in.budget));
+                         at->node->describe() + " exceeds the budget of " + format_bytes(in.budget) + ", of which " +
+                         format_bytes(in.resident) + " is held before the program runs and " + format_bytes(outlive) +
+                         " by new values that outlive it");
   }
   Plan split;
   split.budget = in.budget;
