@@ -15,6 +15,7 @@
 #include "core/config.h"
 #include "core/runtime.h"
 #include "execute/bind.h"
+#include "execute/memory.h"
 #include "execute/real.h"
 #include "execute/replay.h"
 #include "plan/workspace.h"
@@ -215,15 +216,18 @@ class Walker {
     int64_t chunk = st.chunk;
     std::vector<char> none(st.slots.size(), 0);
     updated_in_place_.clear();
+    saved_.clear();
     for (int64_t start = 0; start < st.batch;) {
       const int64_t rows = std::min(chunk, st.batch - start);
       if (!run_chunk(st, binder, start, rows, none, chunk)) {
+        restore_rows(0); // every stored value the loop updated in place is as it was: it can run again
         abandon_loop(st);
         out_.torn = updated_in_place_;
         return false;
       }
       start += rows;
     }
+    saved_.clear();
     if (chunk < st.chunk) out_.smaller_chunks.emplace_back(index, chunk);
     for (const Accumulator& a : st.accs) {
       LazyBuffer& b = *a.buf;
@@ -247,15 +251,17 @@ class Walker {
   }
 
   // Runs rows [start, start + rows) of a loop as one chunk, accumulating partials except the slots in
-  // `skip` (already holding these rows' contribution). Out of memory inside it: when re-running these
-  // rows changes nothing but what they compute (no row written in place into a stored value, no
-  // random draws from a generator's stream), they run again in chunks half the size, skipping the
-  // partials already accumulated for them, and `chunk` stays that small for the rest of the loop.
-  // Random ops draw by row, so the retried rows get the same numbers. False if it cannot recover.
+  // `skip` (already holding these rows' contribution). Out of memory inside it: the rows of stored
+  // values it updated in place are put back from the undo log (save_rows); when re-running these
+  // rows then changes nothing but what they compute (no random draws from a generator's stream, no
+  // effect), they run again in chunks half the size, skipping the partials already accumulated for
+  // them, and `chunk` stays that small for the rest of the loop. Random ops draw by row, so the
+  // retried rows get the same numbers. False if it cannot recover.
   bool run_chunk(const Stage& st, Binder& binder, int64_t start, int64_t rows, const std::vector<char>& skip,
                  int64_t& chunk) {
     std::vector<char> done = skip;
     bool redoable = true;
+    const size_t mark = saved_.size();
     binder.begin_chunk(start, rows);
     bool ok = true;
     for (const PlannedNode& pn : st.nodes) {
@@ -263,11 +269,19 @@ class Walker {
         for (int32_t slot : pn.free_slots) binder.free_slot(slot);
         continue;
       }
+      // An in-place update of a stored value's rows: the rows are saved first (undoable), unless the
+      // node also draws from a generator's stream or has an effect, which no saved rows undo.
+      const bool redo = redoable_node(pn);
+      const bool undoable = !redo && !pn.node->effectful && !(pn.node->random && pn.rng_block == 0 && !pn.node->row_keyed);
+      if (undoable && !save_rows(st, pn, binder)) {
+        ok = false;
+        break;
+      }
       if (!run_node(pn, binder, binder.chunk_rows())) {
         ok = false;
         break;
       }
-      if (!redoable_node(pn)) {
+      if (!redo && !undoable) {
         redoable = false;
         note_updated_in_place(st, pn);
       }
@@ -294,6 +308,7 @@ class Walker {
                    static_cast<long long>(resident_bytes()));
     }
     if (ok) return true;
+    restore_rows(mark); // this chunk's rows of stored values, as they were before it
     if (rows <= 1 || !redoable) return false;
     const int64_t smaller = (rows + 1) / 2;
     chunk = std::min(chunk, smaller);
@@ -379,6 +394,38 @@ class Walker {
     }
   }
 
+  // Saves the rows of stored values `pn` is about to update in place (not the loop's own stores and
+  // accumulators, which an abandoned loop drops anyway), in host memory: the undo log of the loop.
+  // False (out of memory recorded) if a host copy cannot be made.
+  bool save_rows(const Stage& st, const PlannedNode& pn, Binder& binder) {
+    const Node& n = *pn.node;
+    for (size_t k = 0; k < n.uses.size() && k < pn.uses.size(); ++k) {
+      const Use& u = n.uses[k];
+      if (!u.write || u.write_only || pn.uses[k].bind != Bind::kNarrow) continue;
+      const LazyBuffer* b = u.ref.buf.get();
+      bool own = false;
+      for (const FullStore& f : st.stores) own = own || f.buf == b;
+      for (const Accumulator& a : st.accs) own = own || a.buf == b;
+      if (own) continue;
+      at::Tensor view = binder.use(pn, k);
+      try {
+        CountingScope host(nullptr); // host memory, not the device's
+        saved_.push_back(SavedRows{view, view.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true)});
+      } catch (const c10::OutOfMemoryError&) {
+        out_.oom = std::current_exception();
+        out_.oom_site = "saving the rows of b" + std::to_string(b->id) + " before " + n.describe() + " updates them";
+        return false;
+      }
+    }
+    return true;
+  }
+
+  // Puts back the rows saved since `from`, newest first.
+  void restore_rows(size_t from) {
+    for (size_t i = saved_.size(); i-- > from;) saved_[i].view.copy_(saved_[i].rows);
+    saved_.resize(from);
+  }
+
   // A loop that ran out of memory restarts as a whole: what it assembled or accumulated goes.
   void abandon_loop(const Stage& st) {
     for (const Accumulator& a : st.accs) a.buf->drop_real();
@@ -391,7 +438,12 @@ class Walker {
   const bool counting_ = backing_device().is_cpu(); // the counting allocator sees every byte
   int64_t node_peak_ = 0;
   int64_t node_start_ = 0; // device bytes allocated when the running node started
-  std::vector<LazyBuffer*> updated_in_place_; // by the running loop (note_updated_in_place)
+  std::vector<LazyBuffer*> updated_in_place_; // by the running loop, rows not saved (note_updated_in_place)
+  struct SavedRows {
+    at::Tensor view; // the rows, in the stored value
+    at::Tensor rows; // their contents before the update, in host memory
+  };
+  std::vector<SavedRows> saved_; // the running loop's undo log (save_rows)
   const std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   int64_t total_chunks_ = 0;
   int64_t chunks_done_ = 0;

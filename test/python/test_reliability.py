@@ -153,3 +153,33 @@ def test_a_step_after_refused_allocations_plans_a_chunk_that_fits():
             if s > 0:
                 assert stats["oom_retries"] == 0, (s, stats)
             torch.testing.assert_close(got, model(ids))
+
+
+def test_a_loop_updating_a_stored_value_in_place_survives_running_out_of_memory_part_way():
+    """A split loop that multiplies rows of an earlier, stored value in place (h.mul_(...): running
+    it twice on a row is wrong) and runs out of memory part way used to lose the value (some rows
+    updated, the loop abandoned). The rows are now saved in host memory before each update and put
+    back when a chunk fails: the chunk runs again in halves, or the loop is planned again, and the
+    result is eager's, whichever allocation fails."""
+    from torch_lazymem.testing import fail_allocation, injected_failures
+
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 32, dtype=torch.float64), torch.randn(64, 32, dtype=torch.float64)
+    expected = torch.tanh(x * 2) * (y + 1) + 3
+    fired = 0
+    for fail_at in range(1, 24):
+        settle()
+        with force_chunks(4):
+            h = torch.tanh(x.to("lazymem") * 2)
+            torch.lazymem.synchronize()  # h is stored (batch-sharded), nothing left pending
+            before = injected_failures()
+            fail_allocation(fail_at)
+            h.mul_(y.to("lazymem") + 1).add_(3)
+            try:
+                got = h.cpu()
+            except torch.OutOfMemoryError as e:
+                assert "is lost" not in str(e), str(e)
+                got = h.cpu()  # nothing was lost: the update runs again, exactly once per row
+        fired += injected_failures() - before
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=lambda m, k=fail_at: f"failure at allocation {k}: {m}")
+    assert fired > 5  # the failures hit the loop, not only allocations before it
