@@ -135,6 +135,10 @@ def collectives(rank: int, size: int) -> dict:
     return {"collectives": stats["collectives"]}
 
 
+def collectives_then_errors(rank: int, size: int) -> tuple[dict, list[str]]:
+    return collectives(rank, size), collective_errors(rank, size)
+
+
 def collective_errors(rank: int, size: int) -> list[str]:
     """Each bad call raises a `lazymem:` error naming the collective, before anything is recorded;
     collectives after it still match across ranks."""
