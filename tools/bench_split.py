@@ -390,6 +390,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--max-factor", type=int, default=64)
     parser.add_argument("--no-malloc-tuning", action="store_true")
+    parser.add_argument("--cases", help="run only the cases whose name contains one of these comma-separated words")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     if args.first_step_case is not None:
@@ -405,7 +406,10 @@ def main() -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, simulated device; "
           f"median of {steps} steps after 2 warm-up steps\n")
     rows_a, rows_b, rows_c, rows_e, rows_f = [], [], [], [], []
+    words = [w.strip() for w in args.cases.split(",")] if args.cases else []
     for case in CASES:
+        if words and not any(w in case.name for w in words):
+            continue
         torch.manual_seed(0)
         base = case.model()
         b_e = largest_eager(case, base)
