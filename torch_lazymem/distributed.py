@@ -56,7 +56,12 @@ def _config_init(self, backend) -> None:
     name = str(backend).lower()
     serves_backing = name in _backing_backends() or name == c10d.Backend.UNDEFINED
     if serves_backing and NAME not in self.device_backend_map:
-        self.device_backend_map[NAME] = c10d.Backend(NAME)
+        # With two backends in the map, c10d makes one per device: gloo's "cuda" entry would get a
+        # second gloo backend of its own. Without CUDA no tensor can use it, so it is left out.
+        m = self.device_backend_map
+        if "cuda" in m and m.get("cpu") == m["cuda"] and not torch.cuda.is_available():
+            del m["cuda"]
+        m[NAME] = c10d.Backend(NAME)
 
 
 def register() -> None:
