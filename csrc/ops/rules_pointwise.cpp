@@ -20,10 +20,13 @@ bool linear(const RuleCall& c, RuleResult& r) {
   int64_t first_partial = -1;
   for (size_t i = 0; i < c.ins.size(); ++i) {
     const Operand& o = c.ins[i];
-    // copy_'s destination is overwritten: linear in its source only (a partial destination
-    // overwritten by a whole value, as DDP's reducer copies all-reduced buckets into .grad, is not
-    // partial afterwards).
-    if (name == "aten::copy" && i == 0 && o.write) continue;
+    // copy_'s destination is overwritten: linear in its source only, into a destination that is not
+    // partial yet. One that is (a gradient DDP's reducer overwrites with its all-reduced bucket, a
+    // second gradient copied into the same flat bucket) is finished first and overwritten whole.
+    if (name == "aten::copy" && i == 0 && o.write) {
+      if (o.place.is_p()) return replicated(c, r);
+      continue;
+    }
     if (o.write && c.outs.empty() && !o.place.is_p()) {
       // An in-place write into a value that is not itself partial (R += P): needs P finished.
       return replicated(c, r);

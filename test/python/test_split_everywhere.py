@@ -483,6 +483,40 @@ def test_dropout_over_a_time_major_value_draws_the_same_mask_in_any_chunking():
         assert (y * w.to("lazymem")).sum().item() == pytest.approx(sums[0], rel=1e-12)
 
 
+def test_gradients_copied_through_a_flat_bucket_and_back():
+    """Regression (DDP's reducer, issue 22): gradients still being summed over chunks are copied into
+    views of one flat bucket (copy_ of partial values: partial), the bucket is scaled, the
+    bucket is finished by an op that needs it whole (DDP's all-reduce), and the views are copied back
+    over the gradients. copy_ into a partial destination from a whole value was taken for a partial
+    copy (one copy per chunk summed); it now finishes the destination and overwrites it. (A first
+    version of that fix also made the second gradient's copy into the bucket, a partial destination
+    by then, partial: wrong bias entries.) Ten rows: 3 and 8 chunks leave a ragged last chunk."""
+    torch.manual_seed(7)
+    x, y = torch.randn(10, 8, dtype=D), torch.randint(0, 4, (10,))
+    model = mlp(8, 16, 4)
+
+    def run(dev):
+        m = copy.deepcopy(model).to(dev)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        F.cross_entropy(m(x.to(dev)), y.to(dev)).backward()
+        params = list(m.parameters())
+        bucket = torch.empty(sum(p.numel() for p in params), dtype=D, device=dev)
+        views, at = [], 0
+        for p in params:
+            views.append(bucket[at:at + p.numel()].view_as(p))
+            at += p.numel()
+        for p, v in zip(params, views):
+            v.copy_(p.grad)
+        bucket.mul_(0.5)
+        bucket.clamp_(-0.05, 0.05)  # an op on the finished bucket, as DDP's all-reduce: whole after it
+        for p, v in zip(params, views):
+            p.grad.copy_(v)
+        opt.step()
+        return [m, bucket]
+
+    check_split(run)
+
+
 def test_two_towers_under_a_cap():
     check_capped(towers_program(2000, hidden=256), 4 * MiB)
 
