@@ -12,6 +12,7 @@
 //     sync point that materializes the outputs (and so runs the collective).
 #include "dist/collectives.h"
 
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -432,7 +433,7 @@ class DistBackend final : public c10d::Backend {
                   "all_reduce, broadcast, reduce, all_gather, all_gather_into_tensor, reduce_scatter_tensor, ",
                   "all_to_all_single, gather, scatter, barrier and their coalesced forms); move the tensors to the backing device ",
                   "with .cpu() / .cuda() for it");
-    throw; // (unreachable)
+    std::abort(); // (unreachable: the check throws)
   }
 
   void check(const char* what, const std::vector<at::Tensor>& ts) const {

@@ -371,34 +371,12 @@ class Walker {
     return true;
   }
 
-  // The values `pn` (not redoable) updated in place through narrowed views: some rows are updated.
-  // Not those the loop itself assembles or accumulates: abandoning the loop drops them, and running
-  // it again makes them anew before updating them.
-  void note_updated_in_place(const Stage& st, const PlannedNode& pn) {
+  // The uses through which `pn` updates rows of a value stored before the loop in place (a
+  // read-modify-write of a narrowed view). Not the loop's own stores and accumulators: abandoning the
+  // loop drops them, and running it again makes them anew before updating them.
+  static std::vector<size_t> stored_rows_updated(const Stage& st, const PlannedNode& pn) {
     const Node& n = *pn.node;
-    for (size_t k = 0; k < n.uses.size() && k < pn.uses.size(); ++k) {
-      const Use& u = n.uses[k];
-      if (!u.write || u.write_only || pn.uses[k].bind != Bind::kNarrow) continue;
-      LazyBuffer* b = u.ref.buf.get();
-      bool own = false;
-      for (const FullStore& f : st.stores) own = own || f.buf == b;
-      for (const Accumulator& a : st.accs) own = own || a.buf == b;
-      if (own) continue;
-      if (std::find(updated_in_place_.begin(), updated_in_place_.end(), b) == updated_in_place_.end()) {
-        if (config().debug >= 2) {
-          std::fprintf(stderr, "[lazymem] %s updates b%llu in place, rows at a time\n", n.describe().c_str(),
-                       static_cast<unsigned long long>(b->id));
-        }
-        updated_in_place_.push_back(b);
-      }
-    }
-  }
-
-  // Saves the rows of stored values `pn` is about to update in place (not the loop's own stores and
-  // accumulators, which an abandoned loop drops anyway), in host memory: the undo log of the loop.
-  // False (out of memory recorded) if a host copy cannot be made.
-  bool save_rows(const Stage& st, const PlannedNode& pn, Binder& binder) {
-    const Node& n = *pn.node;
+    std::vector<size_t> out;
     for (size_t k = 0; k < n.uses.size() && k < pn.uses.size(); ++k) {
       const Use& u = n.uses[k];
       if (!u.write || u.write_only || pn.uses[k].bind != Bind::kNarrow) continue;
@@ -406,14 +384,36 @@ class Walker {
       bool own = false;
       for (const FullStore& f : st.stores) own = own || f.buf == b;
       for (const Accumulator& a : st.accs) own = own || a.buf == b;
-      if (own) continue;
+      if (!own) out.push_back(k);
+    }
+    return out;
+  }
+
+  // The values `pn` (not redoable, rows not saved) updated in place: some of their rows are updated.
+  void note_updated_in_place(const Stage& st, const PlannedNode& pn) {
+    for (size_t k : stored_rows_updated(st, pn)) {
+      LazyBuffer* b = pn.node->uses[k].ref.buf.get();
+      if (std::find(updated_in_place_.begin(), updated_in_place_.end(), b) != updated_in_place_.end()) continue;
+      if (config().debug >= 2) {
+        std::fprintf(stderr, "[lazymem] %s updates b%llu in place, rows at a time\n", pn.node->describe().c_str(),
+                     static_cast<unsigned long long>(b->id));
+      }
+      updated_in_place_.push_back(b);
+    }
+  }
+
+  // Saves the rows `pn` is about to update in place (stored_rows_updated) in host memory: the loop's
+  // undo log. False (out of memory recorded) if a host copy cannot be made.
+  bool save_rows(const Stage& st, const PlannedNode& pn, Binder& binder) {
+    for (size_t k : stored_rows_updated(st, pn)) {
       at::Tensor view = binder.use(pn, k);
       try {
         CountingScope host(nullptr); // host memory, not the device's
         saved_.push_back(SavedRows{view, view.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true)});
       } catch (const c10::OutOfMemoryError&) {
         out_.oom = std::current_exception();
-        out_.oom_site = "saving the rows of b" + std::to_string(b->id) + " before " + n.describe() + " updates them";
+        out_.oom_site = "saving the rows of b" + std::to_string(pn.node->uses[k].ref.buf->id) + " before " +
+            pn.node->describe() + " updates them";
         return false;
       }
     }

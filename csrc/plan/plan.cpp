@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "core/config.h"
+#include "ops/op_rules.h"
 
 namespace lazymem {
 
@@ -149,14 +150,18 @@ std::string Plan::to_string(bool nodes) const {
     if (nodes) {
       for (const PlannedNode& pn : st.nodes) os << "      " << node_line(pn) << "\n";
     } else {
-      // torch.distributed collectives (dist/collectives.cpp): where each runs, once, in record order.
+      // torch.distributed collectives (dist/collectives.cpp): where each runs, once, in record order,
+      // and the bytes of the tensors it writes (not its ordering token).
       for (const PlannedNode& pn : st.nodes) {
-        const std::string& name = pn.op.operator_name().name;
-        if (name.rfind("lazymem::c10d_", 0) != 0) continue;
+        if (!op_rules(pn.op).collective) continue;
+        const std::optional<int> token = pn.op.schema().argumentIndexWithName("token");
         int64_t bytes = 0;
-        for (const Use& u : pn.node->uses) bytes += u.write && u.ref.buf->nbytes.load() > 1 ? u.ref.meta.numel() * c10::elementSize(u.ref.meta.dtype) : 0;
-        os << "    collective: " << name.substr(14, name.size() - 15) << " (op #" << pn.node->seq << " of the recorded program, "
-           << format_bytes(bytes) << "), once" << (st.loop ? " per chunk" : "") << "\n";
+        for (const Use& u : pn.node->uses) {
+          if (u.write && u.arg != token.value_or(-1)) bytes += u.ref.meta.numel() * c10::elementSize(u.ref.meta.dtype);
+        }
+        const std::string& name = pn.op.operator_name().name; // lazymem::c10d_<collective>_
+        os << "    collective: " << name.substr(14, name.size() - 15) << " (op #" << pn.node->seq
+           << " of the recorded program, " << format_bytes(bytes) << "), once" << (st.loop ? " per chunk" : "") << "\n";
       }
     }
   }

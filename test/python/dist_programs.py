@@ -195,19 +195,24 @@ def reference_training(model: nn.Module, data, rows: list[int]) -> nn.Module:
     return ref
 
 
-def ddp_training(rank: int, size: int, model: nn.Module, data, rows: list[int], dev: str = LZ, **ddp_kwargs):
-    m = copy.deepcopy(model).to(dev)
-    ddp = nn.parallel.DistributedDataParallel(m, **ddp_kwargs)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+def train_steps(model, opt, data, rows: list[int], rank: int, dev: str = LZ) -> list[float]:
+    """One step per batch of `data` on this rank's shard: cross entropy, backward, step; the losses."""
     losses = []
     for x, y in data:
         s = shard(rows, rank)
-        loss = F.cross_entropy(ddp(x[s].to(dev)), y[s].to(dev))
+        loss = F.cross_entropy(model(x[s].to(dev)), y[s].to(dev))
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return m, losses
+    return losses
+
+
+def ddp_training(rank: int, size: int, model: nn.Module, data, rows: list[int], dev: str = LZ, **ddp_kwargs):
+    m = copy.deepcopy(model).to(dev)
+    ddp = nn.parallel.DistributedDataParallel(m, **ddp_kwargs)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    return m, train_steps(ddp, opt, data, rows, rank, dev)
 
 
 def check_params(got: nn.Module, expected: nn.Module, what: str) -> None:
@@ -318,6 +323,9 @@ def ddp_options(rank: int, size: int) -> dict:
     results = {}
     for name, (kwargs, hook, accumulate, unused) in cases.items():
         expected = run("cpu", kwargs, hook, accumulate, unused)
+        # Unsplit (it fits): bitwise eager's, the all-reduces included.
+        for k, (g, e) in enumerate(zip(run(LZ, kwargs, hook, accumulate, unused), expected)):
+            torch.testing.assert_close(g, e, rtol=0, atol=0, msg=lambda m, name=name, k=k: f"{name} unsplit: parameter {k}: {m}")
         for chunks in (1, 2):
             with force_chunks(chunks):
                 got = run(LZ, kwargs, hook, accumulate, unused)
@@ -472,15 +480,8 @@ def fsdp2_exact(rank: int, size: int, chunks: int) -> list[float]:
             fully_shard(layer, mesh=mesh)
     fully_shard(m, mesh=mesh)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    losses = []
     with force_chunks(chunks):
-        for x, y in data:
-            s = shard(rows, rank)
-            loss = F.cross_entropy(m(x[s].to(LZ)), y[s].to(LZ))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        losses = train_steps(m, opt, data, rows, rank)
     for (name, p), q in zip(m.named_parameters(), expected.parameters()):
         torch.testing.assert_close(p.full_tensor().cpu(), q.detach(), msg=lambda msg, name=name: f"FSDP2 {name}: {msg}")
     return losses
@@ -520,10 +521,11 @@ class BnNet(nn.Module):
 def sync_batch_norm(rank: int, size: int, chunks: int) -> list[float]:
     """SyncBatchNorm under DDP in training, split in `chunks`: statistics over all chunks of all
     ranks, so every parameter and running statistic equals single-process eager BatchNorm on the
-    concatenated batch (3 SGD steps)."""
+    concatenated batch (3 SGD steps). Ranks hold 5, 7, ... rows: ragged last chunks, and unequal
+    counts in the ranks' merge of statistics."""
     from torch_lazymem.testing import force_chunks
 
-    rows = [6] * size
+    rows = [5 + 2 * r for r in range(size)]
     g = torch.Generator().manual_seed(3)
     data = [(torch.randn(sum(rows), 3, 5, 5, dtype=D, generator=g), torch.randint(0, 4, (sum(rows),), generator=g))
             for _ in range(3)]
@@ -542,15 +544,8 @@ def sync_batch_norm(rank: int, size: int, chunks: int) -> list[float]:
     import torch_lazymem
 
     torch_lazymem.reset_stats()
-    losses = []
     with force_chunks(chunks):
-        for x, y in data:
-            s = shard(rows, rank)
-            loss = F.cross_entropy(ddp(x[s].to(LZ)), y[s].to(LZ))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        losses = train_steps(ddp, opt, data, rows, rank)
     assert torch_lazymem.stats()["splits"] > 0
     for (name, p), q in zip(m.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach().cpu(), q.detach(), msg=lambda msg, name=name: f"SyncBN {name}: {msg}")
