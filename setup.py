@@ -14,9 +14,23 @@ from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension, include_paths, library_paths
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _torch_cxx_std() -> str:
+    """The C++ standard BuildExtension compiles with when a build names none (c++17 in torch 2.11,
+    c++20 in 2.13): named explicitly, so the precompiled header and every file agree on it."""
+    import inspect
+    import re
+
+    from torch.utils import cpp_extension
+
+    m = re.search(r"cpp_flag_prefix \+ '(c\+\+\d+)'", inspect.getsource(cpp_extension.BuildExtension))
+    return "-std=" + (m.group(1) if m else "c++17")
+
 CORE_DIRS = ["core", "ir", "ops", "plan", "execute", "device", "record", "record/composite", "sync", "dist"]
 CORE_NAME = "torch_lazymem.lib.lazymem_core"
-CXX_FLAGS = ["-O2", "-g0", "-fvisibility-inlines-hidden", "-Wall", "-Wno-unused-parameter", "-Wno-unused-function"]
+CXX_FLAGS = ["-O2", "-g0", "-fvisibility-inlines-hidden", "-Wall", "-Wno-unused-parameter", "-Wno-unused-function",
+             _torch_cxx_std()]
 LINK_FLAGS = []
 # LAZYMEM_SANITIZE=address: AddressSanitizer + UndefinedBehaviorSanitizer (tools/test.sh --sanitize
 # builds this way into build/asan and runs the tests with the runtimes preloaded). vptr checks are
@@ -99,7 +113,7 @@ class Build(BuildExtension):
         header = os.path.join(pch_dir, "lazymem_pch.h")
         includes = [f"-I{d}" for d in list(ext.include_dirs) + include_paths() + [sysconfig.get_paths()["include"]]]
         cmd = ["c++"] + self.compiler.compiler_so[1:] + includes + ["-x", "c++-header", header, "-o", header + ".gch"]
-        cmd += flags + ([] if any(f.startswith("-std=") for f in flags) else ["-std=c++20"])  # (BuildExtension's, added last)
+        cmd += flags
         source = os.path.join(ROOT, "csrc", "core", "precompiled.h")
         with open(source, "rb") as f:
             stamp = hashlib.sha256(f.read() + " ".join(cmd).encode()).hexdigest()

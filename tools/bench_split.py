@@ -66,11 +66,11 @@ MiB = 1 << 20
 
 class TinyTransformer(nn.Module):
     def __init__(self, vocab: int = 512, seq: int = 64, d: int = 64, heads: int = 4, layers: int = 2,
-                 classes: int = 10) -> None:
+                 classes: int = 10, dropout: float = 0.0) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
-        layer = nn.TransformerEncoderLayer(d, heads, dim_feedforward=4 * d, dropout=0.0, batch_first=True,
+        layer = nn.TransformerEncoderLayer(d, heads, dim_feedforward=4 * d, dropout=dropout, batch_first=True,
                                            norm_first=True)
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(d, classes)
@@ -155,6 +155,10 @@ CASES = [
          loss=lambda m, b: m(input_ids=b[0], attention_mask=b[1], labels=b[2]).loss),
     Case("GPT-2 training, vocabulary 50,257, shifted loss by hand", gpt2_real_vocab,
          lambda n, g: (torch.randint(0, 50257, (n, 32), generator=g),), 96 * MiB, True, loss=shifted_lm_loss),
+    # Eight dropouts per step (attention probabilities included): each split one draws eager's numbers
+    # from a stream generated whole (issue 27).
+    Case("transformer training, dropout 0.1", lambda: TinyTransformer(dropout=0.1),
+         lambda n, g: torch.randint(0, 512, (n, 64), generator=g), 32 * MiB, True),
 ]
 
 
@@ -173,8 +177,10 @@ class Runner:
     def cap(self) -> contextlib.AbstractContextManager[None]:
         return simulated_device(self.case.capacity) if self.lazy else memory_cap(self.case.capacity)
 
-    def step(self, batch: tuple[torch.Tensor, ...]) -> float:
-        """One step under the cap; returns the loss (training) or the logits' sum (inference)."""
+    def step(self, batch: tuple[torch.Tensor, ...], seed: int = 0) -> float:
+        """One step under the cap; returns the loss (training) or the logits' sum (inference). The
+        device's generator is seeded first: eager and lazymem draw the same dropout masks."""
+        torch.manual_seed(seed)
         with self.cap():
             b = tuple(t.to("lazymem") for t in batch) if self.lazy else tuple(t.clone() for t in batch)
             if not self.case.training:
@@ -202,7 +208,7 @@ def completes(case: Case, base: nn.Module, rows: int, lazy: bool) -> bool:
     try:
         r = Runner(case, base, lazy)
         for s in range(2 if case.training else 1):
-            r.step(case.batch(rows, s))
+            r.step(case.batch(rows, s), s)
         if lazy and r.peak() > case.capacity:
             raise AssertionError(f"lazymem peak {r.peak()} above the capacity {case.capacity}")
         return True
@@ -255,7 +261,7 @@ def time_steps(case: Case, base: nn.Module, rows: int, steps: int, with_eager: b
             r.reset_peak()
             torch_lazymem.reset_stats()
             t0 = time.perf_counter()
-            value = r.step(batch)
+            value = r.step(batch, s)
             if is_lazy:
                 torch.lazymem.synchronize()
             ms = (time.perf_counter() - t0) * 1e3
@@ -291,7 +297,7 @@ def plan_reuse(case: Case, base: nn.Module, rows: int, steps: int) -> str:
     def run(s: int) -> dict[str, int]:
         torch_lazymem.reset_stats()
         with r.cap():
-            r.step(case.batch(rows, s))
+            r.step(case.batch(rows, s), s)
             torch.lazymem.synchronize()
         return torch_lazymem.stats()
 
@@ -311,7 +317,7 @@ def plan_reuse(case: Case, base: nn.Module, rows: int, steps: int) -> str:
     med = statistics.median(later)
     with r.cap(), no_plan_reuse():
         torch_lazymem.reset_stats()
-        r.step(case.batch(rows, s + 1 + steps))
+        r.step(case.batch(rows, s + 1 + steps), s + 1 + steps)
         torch.lazymem.synchronize()
     anew = torch_lazymem.stats()["plan_ns"] / 1e3
     goal = 10 + 0.1 * nodes
@@ -332,7 +338,7 @@ def cross_pass(case: Case, base: nn.Module, rows: int, steps: int) -> str | None
             for s in range(steps + 2):
                 torch_lazymem.reset_stats()
                 t0 = time.perf_counter()
-                r.step(case.batch(rows, s))
+                r.step(case.batch(rows, s), s)
                 torch.lazymem.synchronize()
                 if s >= 2:
                     ms.append((time.perf_counter() - t0) * 1e3)
@@ -357,7 +363,7 @@ def first_step(case: Case, base: nn.Module, rows: int) -> str:
     r = Runner(case, base, lazy=True)
     torch_lazymem.reset_stats()
     r.reset_peak()
-    r.step(case.batch(rows, 0))
+    r.step(case.batch(rows, 0), 0)
     st = torch_lazymem.stats()
     ratio = st["predicted_peak_bytes"] / max(1, st["peak_bytes"])
     return (f"| {case.name} | {rows} | {st['predicted_peak_bytes'] / MiB:.2f} | {st['peak_bytes'] / MiB:.2f} "

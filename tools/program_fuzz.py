@@ -9,6 +9,9 @@ The grammar:
   inputs   vectors (B, F), images (B, C, H, W), tokens (B, T) through an embedding, sequences (B, T, F)
   layers   linear, conv, batch norm (training or eval mode), layer norm, group norm, attention with
            a padding or causal mask, LSTM / GRU, embedding, dropout, residual blocks
+  random   random ops after any layer (so over the layout it leaves: a linear's, a convolution's, a
+           sequence model's, a transpose, a slice of the batch): *_like noise, a rand_like mask, a
+           bernoulli mask with a tensor p, normal with tensor mean and std, functional dropout
   acts     relu / gelu / tanh / silu, some in place
   losses   cross entropy (class weights, label smoothing), MSE on a regression head
   loops    loss read before or after backward, two backwards over the halves of the batch before one
@@ -20,19 +23,16 @@ Each program prints one of:
   oom       torch.OutOfMemoryError, by cause: `unsplittable` (explain(): a value that must be held
             whatever the chunk size exceeds the cap, the message names one value larger than the
             cap, or a program with no batch needs more than the cap for what it holds before it runs,
-            the new values that outlive it and one allocation), `barrier` (an op that runs whole), `forced chunks` (a dropout program, run in a fixed
-            number of chunks for the comparison below, which ignores the cap), `torn` (a loop that
-            updates an earlier value in place ran out of memory part way: the value is lost, not
-            recomputed twice), `other`
+            the new values that outlive it and one allocation), `barrier` (an op that runs whole),
+            `torn` (a loop that updates an earlier value in place ran out of memory part way: the
+            value is lost, not recomputed twice), `other`
   WRONG     a result differs from eager                         (a bug)
   OVER      the measured peak went over the cap                 (a bug)
   ERROR     any other exception                                 (a bug)
   CRASH     the worker process died                             (a bug)
 A bug prints its seed and the program's minimal form (features removed while it still fails).
-Exit status 1 on any bug. Programs with dropout are compared with lazymem split in another number of
-chunks (a split draws dropout masks per row, not from eager's stream) instead of eager; both run in a
-fixed number of chunks (2 and 3), so such a program may run out of memory where a free choice of
-chunks would not.
+Exit status 1 on any bug. Programs with random ops are compared with eager like any other: with the
+same seed, a split program draws eager's numbers (DESIGN.md §7 RNG).
 """
 
 from __future__ import annotations
@@ -86,15 +86,17 @@ class Spec:
     mixup: bool               # x[perm]
     cap_fraction: float
     fail_at: int              # 0: no injected failure; else the n-th allocation of the first sync
+    rand_ops: list = dataclasses.field(default_factory=list)  # (after layer i, random op) pairs
 
     FEATURES = ("read_before", "halves", "clip", "scaler", "mid_sync", "towers", "mixup", "inplace")
 
     def text(self) -> str:
         flags = [f for f in self.FEATURES if getattr(self, f)]
         mode = f"train {self.steps} x {self.optim}" if self.training else "inference"
+        rand = f" random={[f'{i}:{op}' for i, op in self.rand_ops]}" if self.rand_ops else ""
         return (f"seed {self.seed}: {self.kind} B={self.batch} width={self.width} layers={self.layers} "
                 f"act={self.act} loss={self.loss} {mode} {' '.join(flags)} cap={self.cap_fraction:.2f} "
-                f"fail_at={self.fail_at}")
+                f"fail_at={self.fail_at}{rand}")
 
 
 LAYERS = {
@@ -105,7 +107,15 @@ LAYERS = {
 }
 
 
+RANDOM_OPS = ["randn_like", "rand_like_mask", "bernoulli_p", "normal_tt", "noise_transposed", "noise_slice",
+              "dropout_fn"]
+
+
 def draw(seed: int) -> Spec:
+    # Random ops come from a stream of their own: the rest of a seed's program is what it was before
+    # they joined the grammar (the regression seeds replay the programs that found their bugs).
+    q = random.Random(seed ^ 0x5EED)
+    rand_ops = sorted((q.randint(0, 4), q.choice(RANDOM_OPS)) for _ in range(q.choice([0, 0, 1, 1, 2, 3])))
     r = random.Random(seed)
     kind = r.choice(list(LAYERS))
     training = r.random() < 0.8
@@ -118,7 +128,28 @@ def draw(seed: int) -> Spec:
         steps=r.choice([1, 2]), optim=r.choice(["sgd", "adamw"]), read_before=r.random() < 0.3, halves=halves,
         clip=training and r.random() < 0.3, scaler=training and not halves and r.random() < 0.15,
         mid_sync=r.random() < 0.2, towers=r.random() < 0.2, mixup=r.random() < 0.2,
-        cap_fraction=r.uniform(0.05, 1.0), fail_at=r.randint(1, 40) if r.random() < 0.3 else 0)
+        cap_fraction=r.uniform(0.05, 1.0), fail_at=r.randint(1, 40) if r.random() < 0.3 else 0,
+        rand_ops=[(min(i, len(layers)), op) for i, op in rand_ops])
+
+
+def random_op(name: str, h: torch.Tensor) -> torch.Tensor:
+    """A random op over h, whatever its layout (elementwise: any shape with the batch at dim 0)."""
+    if name == "randn_like":
+        return h + 0.1 * torch.randn_like(h)
+    if name == "rand_like_mask":
+        return h * (torch.rand_like(h) < 0.8)
+    if name == "bernoulli_p":
+        return h * torch.bernoulli(torch.sigmoid(h.detach()))
+    if name == "normal_tt":
+        return h + torch.normal(torch.zeros_like(h), 0.05 + 0.1 * h.detach().abs())
+    if name == "noise_transposed":  # drawn over a transposed view: eager fills it in storage order
+        return h + 0.1 * torch.randn_like(h.transpose(0, -1)).transpose(0, -1)
+    if name == "noise_slice":  # noise on a slice of the batch only
+        k = max(h.shape[0] // 3, 1)
+        return torch.cat([h[:k] + 0.1 * torch.randn_like(h[:k]), h[k:]])
+    if name == "dropout_fn":
+        return F.dropout(h, 0.15)
+    raise ValueError(name)
 
 
 def activation(spec: Spec, h: torch.Tensor) -> torch.Tensor:
@@ -200,9 +231,13 @@ class Net(nn.Module):
         if self.spec.kind == "img":
             h = activation(self.spec, h)
         for i, b in enumerate(self.blocks):
+            for _, op in (r for r in self.spec.rand_ops if r[0] == i):
+                h = random_op(op, h)
             h = b(h, pad)
             if i == 0 and self.spec.mid_sync and bool((h.abs() > 1e6).any()):
                 h = h.clamp(-1e6, 1e6)
+        for _, op in (r for r in self.spec.rand_ops if r[0] >= len(self.blocks)):
+            h = random_op(op, h)
         if self.spec.kind == "img":
             h = F.avg_pool2d(h, 2).mean((2, 3))
         elif self.spec.kind in ("tok", "seq"):
@@ -243,6 +278,7 @@ def run_program(spec: Spec, dev: str) -> list[torch.Tensor]:
     torch.manual_seed(spec.seed)
     base = Net(spec).double()
     model = copy.deepcopy(base).to(dev)
+    torch.manual_seed(spec.seed + 1)  # the device's draws: the same stream on the CPU and lazymem
     model.train(spec.training)
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if spec.optim == "adamw"
            else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
@@ -330,22 +366,17 @@ def classify_oom(message: str, cap: int) -> str:
 
 def check(spec: Spec) -> dict:
     import torch_lazymem
-    from torch_lazymem.testing import (eager_max_memory_allocated, fail_allocation, force_chunks, memory_cap,
+    from torch_lazymem.testing import (eager_max_memory_allocated, fail_allocation, memory_cap,
                                        simulated_device)
-    has_dropout = spec.training and "dropout" in spec.layers
     with memory_cap(1 << 45):
         expected = run_program(spec, "cpu")
         peak = eager_max_memory_allocated()
     cap = max(int(peak * spec.cap_fraction), 64 << 10)
-    if has_dropout:  # the reference: lazymem split in 2 chunks (row-keyed masks), uncapped
-        with force_chunks(2):
-            expected = run_program(spec, "lazymem")
     torch.lazymem.synchronize()
     torch_lazymem.reset_stats()
     result = {"seed": spec.seed, "cap": cap, "eager_peak": peak}
-    chunked = force_chunks(3) if has_dropout else contextlib.nullcontext()
     try:
-        with simulated_device(cap), chunked:
+        with simulated_device(cap):
             torch.lazymem.reset_peak_memory_stats()
             if spec.fail_at:
                 fail_allocation(spec.fail_at)
@@ -355,8 +386,6 @@ def check(spec: Spec) -> dict:
     except torch.OutOfMemoryError as e:
         msg = str(e)
         cause = classify_oom(msg, cap)
-        if cause == "other" and has_dropout:
-            cause = "forced"  # the chunk count was fixed by the comparison, not chosen to fit the cap
         return dict(result, status="oom", cause=cause, detail=msg[:3000])
     except Exception as e:  # noqa: BLE001 - every other exception is a finding
         return dict(result, status="ERROR", detail="".join(traceback.format_exception(e))[-1500:])
@@ -392,6 +421,8 @@ def minimize(spec: Spec) -> Spec:
             candidates.append(dataclasses.replace(spec, fail_at=0))
         if spec.steps > 1:
             candidates.append(dataclasses.replace(spec, steps=1))
+        candidates += [dataclasses.replace(spec, rand_ops=spec.rand_ops[:i] + spec.rand_ops[i + 1:])
+                       for i in range(len(spec.rand_ops))]
         for c in candidates:
             if check(c)["status"] == status:
                 spec, changed = c, True
@@ -439,7 +470,7 @@ def report(results: list[dict], seconds: float) -> int:
     print(f"programs run      {len(results)}  ({seconds:.0f} s)")
     print(f"  ok              {counts['ok']}  (split {split}, with an out-of-memory retry {retried})")
     print(f"  out of memory   {counts['oom']}  (unsplittable {causes['unsplittable']}, barrier {causes['barrier']}, "
-          f"forced chunks {causes['forced']}, torn in-place update {causes['torn']}, other {causes['other']})")
+          f"torn in-place update {causes['torn']}, other {causes['other']})")
     for b in BUGS:
         print(f"  {b.lower():15s} {counts[b]}")
     bugs = [r for r in results if r["status"] in BUGS]

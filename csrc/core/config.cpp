@@ -38,6 +38,8 @@ std::map<std::string, int64_t> Stats::snapshot() const {
       {"batch_conflicts", ld(batch_conflicts)},
       {"nodes_kept_pending", ld(nodes_kept_pending)},
       {"random_row_keyed", ld(random_row_keyed)},
+      {"random_streams", ld(random_streams)},
+      {"random_stream_bytes", ld(random_stream_bytes)},
       {"oom_retries", ld(oom_retries)},
       {"plan_ns", ld(plan_ns)},
       {"nodes_planned", ld(nodes_planned)},
@@ -71,6 +73,8 @@ void Stats::reset() {
   batch_conflicts = 0;
   nodes_kept_pending = 0;
   random_row_keyed = 0;
+  random_streams = 0;
+  random_stream_bytes = 0;
   oom_retries = 0;
   plan_ns = 0;
   nodes_planned = 0;

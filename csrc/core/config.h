@@ -32,6 +32,8 @@ struct Stats {
   std::atomic<uint64_t> batch_conflicts{0};  // splits whose sources at their hints conflicted (solved for)
   std::atomic<uint64_t> nodes_kept_pending{0}; // nodes a split left pending (recomputed when needed)
   std::atomic<uint64_t> random_row_keyed{0}; // random node runs whose draws are keyed by batch rows
+  std::atomic<uint64_t> random_streams{0};   // random nodes' draws generated whole for chunks to read (eager's)
+  std::atomic<uint64_t> random_stream_bytes{0}; // host bytes of those streams
   std::atomic<uint64_t> oom_retries{0};      // plans made again after an out-of-memory error taught the model
   std::atomic<uint64_t> plan_ns{0};          // time spent planning (make_plan), summed
   std::atomic<uint64_t> nodes_planned{0};    // nodes given to the planner, summed

@@ -2,9 +2,13 @@
 // public op lists (ATen's AT_FORALL_* policy lists) registered on the AutocastPrivateUse1 key; the
 // recorded ops are the post-cast ones, so replay (which excludes autocast keys) runs them as recorded.
 #include <ATen/autocast_mode.h>
+#include <torch/headeronly/version.h>
 #include <torch/library.h>
 
 namespace {
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 13
+using at::DimnameList; // (named tensors' list, named unqualified by ATen 2.11's policy lists; gone in 2.13)
+#endif
 using at::Tensor;
 using c10::IntArrayRef;
 using c10::Scalar;

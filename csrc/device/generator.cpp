@@ -46,6 +46,14 @@ uint64_t LazyGenerator::draw_seed() {
   return x * 0xbf58476d1ce4e5b9ull;
 }
 
+uint64_t LazyGenerator::peek_seed() {
+  at::Generator b = backing();
+  std::lock_guard<std::mutex> lock(b.mutex());
+  uint64_t x = b.current_seed() ^ (b.get_offset() * 0x9e3779b97f4a7c15ull + 0x632be59bd9b4e019ull);
+  x ^= x >> 31;
+  return x * 0xbf58476d1ce4e5b9ull;
+}
+
 void LazyGenerator::flush_draws() const {
   flush_until(last_draw_seq_.load(std::memory_order_acquire));
 }

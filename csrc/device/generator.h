@@ -35,6 +35,9 @@ class LazyGenerator final : public c10::GeneratorImpl {
   // One 64-bit draw from the backing generator (the executor holds the flush lock): the seed of a
   // node whose random numbers are keyed by batch rows.
   uint64_t draw_seed();
+  // A seed derived from the backing generator's state without drawing (Philox generators: seed and
+  // offset); the caller advances the state itself.
+  uint64_t peek_seed();
   // Called by the recorder for every random node that draws from this generator.
   void note_draw(uint64_t seq) {
     last_draw_seq_.store(seq, std::memory_order_release);

@@ -282,6 +282,13 @@ at::Tensor Binder::bound_def(const PlannedNode& pn, size_t i) {
   return storage_view(slot_storage(bd->slot), m);
 }
 
+at::Tensor Binder::rows_along(const Bound* bd, const at::Tensor& full) const {
+  if (!stage_.loop || !bd || (bd->bind != Bind::kLocal && bd->bind != Bind::kNarrow) || bd->dim < 0) return full;
+  LAZYMEM_INTERNAL_ASSERT(bd->outer == 1, "rows of a time-major flatten along a random node's stream");
+  const auto [first, count] = rows_of(bd->map);
+  return full.narrow(bd->dim, first * bd->unit, count * bd->unit);
+}
+
 void Binder::done(const PlannedNode& pn) {
   if (stage_.loop) return; // loops publish versions when they end
   const Node& n = *pn.node;

@@ -49,6 +49,10 @@ class Binder {
   int64_t batch() const {
     return node_total_;
   }
+  // The rows this chunk binds of a value shaped as the operand bound by `bd` (a use's or def's
+  // binding of the running node): `full` narrowed along the batch dim. `full` itself in whole
+  // stages and for operands bound whole. (A random node's stream: execute/streams.cpp.)
+  at::Tensor rows_along(const Bound* bd, const at::Tensor& full) const;
   // After the node ran: in whole stages, buffers it wrote now hold its versions.
   void done(const PlannedNode& pn);
 

@@ -18,6 +18,7 @@
 #include "execute/memory.h"
 #include "execute/real.h"
 #include "execute/replay.h"
+#include "execute/streams.h"
 #include "plan/workspace.h"
 
 namespace lazymem {
@@ -48,6 +49,14 @@ c10::Storage allocate_host(size_t nbytes) {
 }
 
 std::atomic<uint64_t> g_epochs{0};
+
+// Running the node takes numbers from its generator's stream (a random op run whole that has not
+// drawn yet): run twice, it would not give the same. Stream and row-keyed draws read the same again.
+bool draws_from_generator(const PlannedNode& pn) {
+  const Node& n = *pn.node;
+  return n.random && rng_form_draws(n.rng_form) && !n.drawn && !pn.rng_stream && pn.rng_block == 0 && !n.stream &&
+      !n.row_keyed;
+}
 
 class Walker {
  public:
@@ -80,6 +89,7 @@ class Walker {
     const Node& n = *pn.node;
     if (std::exception_ptr poison = input_poison(n)) {
       poison_outputs(n, poison);
+      pn.node->drawn = true; // (a node whose input failed draws nothing: the program has failed)
       return true;
     }
     if (out_.restartable) check_restartable(pn);
@@ -134,7 +144,7 @@ class Walker {
   void check_restartable(const PlannedNode& pn) {
     const Node& n = *pn.node;
     auto older = [&](const LazyBuffer& b) { return b.has_real() && b.exec_epoch != out_.epoch; };
-    bool ok = !n.effectful && !(n.random && pn.rng_block == 0 && !n.row_keyed);
+    bool ok = !n.effectful && !draws_from_generator(pn);
     for (const Def& d : n.defs) ok = ok && !older(*d.ref.buf);
     for (const Use& u : n.uses) ok = ok && !(u.write && older(*u.ref.buf));
     out_.restartable = ok;
@@ -272,7 +282,7 @@ class Walker {
       // An in-place update of a stored value's rows: the rows are saved first (undoable), unless the
       // node also draws from a generator's stream or has an effect, which no saved rows undo.
       const bool redo = redoable_node(pn);
-      const bool undoable = !redo && !pn.node->effectful && !(pn.node->random && pn.rng_block == 0 && !pn.node->row_keyed);
+      const bool undoable = !redo && !pn.node->effectful && !draws_from_generator(pn);
       if (undoable && !save_rows(st, pn, binder)) {
         ok = false;
         break;
@@ -362,7 +372,7 @@ class Walker {
 
   static bool redoable_node(const PlannedNode& pn) {
     const Node& n = *pn.node;
-    if (n.effectful || (n.random && pn.rng_block == 0 && !n.row_keyed)) return false;
+    if (n.effectful || draws_from_generator(pn)) return false;
     if (idempotent_in_place(pn.op.schema())) return true;
     for (size_t k = 0; k < n.uses.size() && k < pn.uses.size(); ++k) {
       const Use& u = n.uses[k];
@@ -453,13 +463,15 @@ class Walker {
 
 } // namespace
 
-ExecOutcome execute(const Plan& plan) {
+ExecOutcome execute(const Plan& plan, c10::ArrayRef<Node*> random_nodes) {
   device_counter().reset_window_peak();
   device_counter().start_injection();
   ReplayScope scope;
+  DrawOrder draws(random_nodes);
   std::optional<c10::DeviceGuard> device_guard;
   if (!backing_device().is_cpu()) device_guard.emplace(backing_device());
   ExecOutcome out = Walker(plan).run();
+  if (!out.oom) draws.finish();
   device_counter().stop_injection();
   out.peak = backing_device().is_cpu() ? device_counter().window_peak() : resident_bytes();
   return out;

@@ -46,7 +46,9 @@ struct ExecOutcome {
   const Node* peak_node = nullptr;   // the node running when it happened (nullptr: between nodes)
 };
 
-// Runs `plan`. The caller holds the flush lock.
-ExecOutcome execute(const Plan& plan);
+// Runs `plan`. The caller holds the flush lock. `random_nodes`: the random nodes of the plan's
+// segment that draw, in program order (the plan's and those it leaves pending): each draws in that
+// order (execute/streams.h).
+ExecOutcome execute(const Plan& plan, c10::ArrayRef<Node*> random_nodes = {});
 
 } // namespace lazymem

@@ -1,6 +1,8 @@
 // execute: node replay.
 #include "execute/replay.h"
 
+#include <optional>
+
 #include <ATen/Context.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/GradMode.h>
@@ -10,6 +12,7 @@
 #include "core/runtime.h"
 #include "device/generator.h"
 #include "execute/real.h"
+#include "execute/streams.h"
 
 namespace lazymem {
 namespace {
@@ -134,7 +137,12 @@ const Node::RowKeyed& row_keyed(const PlannedNode& pn, const Binder& binder) {
   Node& n = *pn.node;
   if (!n.row_keyed) {
     auto rk = std::make_shared<Node::RowKeyed>();
-    rk->seed = static_cast<LazyGenerator*>(n.generator.get())->draw_seed();
+    if (!n.drawn) {
+      DrawOrder::before(n);
+      n.row_seed = row_keyed_seed(n);
+      n.drawn = true;
+    }
+    rk->seed = n.row_seed;
     rk->block = pn.rng_block;
     rk->rows = binder.batch();
     auto dim_of = [](const Bound& b) {
@@ -224,9 +232,24 @@ void replay_row_keyed(const PlannedNode& pn, Binder& binder, torch::jit::Stack& 
 
 void replay(const PlannedNode& pn, Binder& binder, torch::jit::Stack& stack) {
   Node& n = *pn.node;
-  if (n.random && (pn.rng_block > 0 || n.row_keyed)) {
-    replay_row_keyed(pn, binder, stack);
-    return;
+  std::optional<at::Generator> reseeded; // a row-keyed seed drawn while the node was pending
+  if (n.random) {
+    if (n.stream || pn.rng_stream) {
+      stack.clear();
+      replay_from_stream(pn, binder);
+      return;
+    }
+    if (pn.rng_block > 0 || n.row_keyed) {
+      replay_row_keyed(pn, binder, stack);
+      return;
+    }
+    if (n.drawn && rng_form_draws(n.rng_form)) {
+      // Its draws were taken in program order while it was pending (a row-keyed form off the CPU):
+      // it draws from them, not again from the generator's stream.
+      reseeded = make_backing_generator(n.row_seed);
+    } else if (rng_form_draws(n.rng_form)) {
+      DrawOrder::before(n);
+    }
   }
   stack.clear();
   for (const auto& a : n.args) stack.push_back(copy_if_list(a));
@@ -239,8 +262,13 @@ void replay(const PlannedNode& pn, Binder& binder, torch::jit::Stack& stack) {
     taken.push_back(v.storage().unsafeGetStorageImpl());
     place(stack, u.arg, u.elem, c10::IValue(std::move(v)));
   }
-  redispatch_on_backing(pn.op, stack, 0, n.device_args, n.generator_arg,
-                        static_cast<LazyGenerator*>(n.generator.get()), n.grad_mode);
+  if (reseeded) {
+    redispatch_with(pn.op, stack, n.device_args, n.generator_arg, *reseeded, n.grad_mode);
+  } else {
+    redispatch_on_backing(pn.op, stack, 0, n.device_args, n.generator_arg,
+                          static_cast<LazyGenerator*>(n.generator.get()), n.grad_mode);
+  }
+  if (n.random) n.drawn = true;
   c10::IValue scratch;
   for (size_t i = 0; i < n.defs.size(); ++i) {
     const Def& d = n.defs[i];

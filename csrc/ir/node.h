@@ -16,6 +16,7 @@
 #include <c10/core/TensorImpl.h>
 #include <c10/util/SmallVector.h>
 
+#include "core/rng_form.h"
 #include "ir/buffer.h"
 
 namespace lazymem {
@@ -105,7 +106,20 @@ struct Node {
   // cannot change placements (pointwise and _foreach_ ops), and the argument that is per-call state.
   bool floats_shape_free = false;
   int32_t state_arg = -1;
-  // Row-keyed random draws, set when a random node first runs split: block b of `block` batch rows
+  // How it draws and how its draws are reproduced chunk by chunk (random nodes; set by the recorder).
+  RngForm rng_form = RngForm::kNone;
+  // Its draws were taken from its generator (it ran on it, its stream was generated, or its row-keyed
+  // seed drawn): once, in program order (execute/streams.cpp).
+  bool drawn = false;
+  // Eager's draws for its whole value (core/rng_form.h), generated once, in program order, when it
+  // first runs split or a later random node draws first; every chunk, recomputation, retry and later
+  // plan reads them. In host memory (`host`) or on the device.
+  struct Stream {
+    at::Tensor values;
+    bool host = true;
+  };
+  std::shared_ptr<const Stream> stream;
+  // Row-keyed random draws (a form that is not eager's on the backing device, split): block b of `block` batch rows
   // draws from a generator seeded with mix(seed, b), so the same rows get the same numbers however
   // the batch is chunked, and a node kept pending draws them again when it runs later, split or not.
   struct RowKeyed {
@@ -117,6 +131,7 @@ struct Node {
     std::vector<std::array<int64_t, 4>> consts;    // host constants: (arg, elem, dim, unit)
   };
   std::shared_ptr<const RowKeyed> row_keyed;
+  uint64_t row_seed = 0; // the row-keyed seed, once drawn (drawn)
   std::string site;             // where it was recorded (debug mode), for error messages
 
   const char* name() const {

@@ -8,6 +8,9 @@
 #include <vector>
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/ivalue.h>
+
+#include "core/rng_form.h"
 
 namespace lazymem {
 
@@ -52,5 +55,10 @@ struct OpRules {
 
 // Rules for `op`; cached, thread-safe.
 const OpRules& op_rules(const c10::OperatorHandle& op);
+
+// How a call of a random op (`args` boxed as recorded: tensor slots None) draws, and how its draws
+// are reproduced when it runs chunk by chunk (core/rng_form.h; ops/rules_rng.cpp). kNone for ops
+// that are not random.
+RngForm random_form(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args);
 
 } // namespace lazymem

@@ -169,6 +169,10 @@ class Simulator {
             out.bytes += touch(n.defs[i].ref.buf.get(), 0);
           }
         }
+        // A random node reading its stream: a chunk's copy of its rows on the device, and off the CPU
+        // the whole stream while it is generated there (the first chunk; counted in every chunk).
+        transient.per_row += pn.rng_row_bytes;
+        transient.bytes += pn.rng_whole_bytes;
         // Learned workspace includes lazymem's own transients (a result copied into place), so the
         // known transient is a lower bound, not an addition.
         Affine w = workspace(pn, true);

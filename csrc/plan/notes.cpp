@@ -64,6 +64,28 @@ void note_split(Plan& plan, const Analysis& a) {
                          ") are recomputed chunk by chunk in the passes that read them (" + std::to_string(again) +
                          " node runs) instead of stored");
   }
+  // Random nodes in loops: eager's draws from streams generated whole, or keyed by rows.
+  std::vector<const Node*> streamed, keyed;
+  int64_t stream_bytes = 0;
+  for (const Stage& st : plan.stages) {
+    for (const PlannedNode& pn : st.nodes) {
+      if (pn.rng_stream && std::find(streamed.begin(), streamed.end(), pn.node) == streamed.end()) {
+        streamed.push_back(pn.node);
+        stream_bytes += pn.rng_stream_bytes;
+      }
+      if (pn.rng_block && std::find(keyed.begin(), keyed.end(), pn.node) == keyed.end()) keyed.push_back(pn.node);
+    }
+  }
+  if (!streamed.empty()) {
+    plan.notes.push_back("random ops in loops drawing eager's numbers: " + std::to_string(streamed.size()) +
+                         " (each one's draws generated whole once, in program order, in host memory: " +
+                         format_bytes(stream_bytes) + "; every chunk reads its rows)");
+  }
+  if (!keyed.empty()) {
+    plan.notes.push_back("random ops in loops drawing numbers keyed by batch row: " + std::to_string(keyed.size()) +
+                         " (the same in any chunking, not eager's: their kernel on this backing device is not "
+                         "reproduced from a stream)");
+  }
   plan.barriers = a.barriers;
   plan.batch = a.batch;
 }

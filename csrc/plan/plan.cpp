@@ -63,6 +63,7 @@ std::string node_line(const PlannedNode& pn) {
     }
   }
   if (pn.recompute) os << " [recomputed]";
+  if (pn.rng_stream) os << " [random: eager's draws, generated whole once, rows read per chunk]";
   if (pn.rng_block) os << " [random, rows keyed in blocks of " << pn.rng_block << "]";
   if (!pn.rewrites.empty()) os << " [" << pn.rewrites.size() << " args per chunk]";
   if (pn.op != n.op) os << " [runs as " << pn.op.operator_name().name << "]";

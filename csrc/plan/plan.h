@@ -94,7 +94,14 @@ struct PlannedNode {
                                     // operands); rewritten arguments, random draws and host constants
                                     // follow them, and a chunk holding none of them skips the node
   bool row_node = false;            // ...it has rows at all (not only partials or whole operands)
-  uint32_t rng_block = 0;           // > 0: random draws keyed by blocks of this many batch rows
+  // A random node in a loop draws eager's numbers from a stream generated whole once, in program
+  // order (rng_stream: execute/streams.cpp), or, for a form that is not eager's on the backing
+  // device, keyed by blocks of rng_block batch rows.
+  bool rng_stream = false;
+  uint32_t rng_block = 0;
+  int64_t rng_row_bytes = 0;        // rng_stream: device bytes per row a chunk's copy of the stream holds
+  int64_t rng_whole_bytes = 0;      // device bytes its draw takes, run whole on the device (not on the CPU)
+  int64_t rng_stream_bytes = 0;     // rng_stream: the stream's bytes in host memory
   bool recompute = false;           // a node of an earlier loop run again here for a chunk's rows
                                     // (its results other than chunk-local values are dropped)
 

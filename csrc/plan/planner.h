@@ -22,6 +22,9 @@ struct PlanInput {
   int64_t budget = -1;                                // bytes lazymem may hold (-1: unlimited)
   int64_t resident = 0;                               // device bytes held before the plan runs
   int64_t force_chunks = 0;                           // > 0: split every loop into this many chunks
+  // The backing device is the CPU: random forms that follow the CPU's kernels are eager's there
+  // (core/rng_form.h); elsewhere those run keyed by batch rows.
+  bool cpu_backing = true;
   // Batch-sharded values crossing passes: stored (device, else host memory) or recomputed chunk by
   // chunk where they are read. kWhenTooBig recomputes those the device cannot hold, kAlways every
   // one that can be (testing).

@@ -124,6 +124,7 @@ class SplitBuilder {
   Bound bind(Stage& st, LoopState& ls, int32_t i, size_t k, bool def);
   // G rows per random-number block (see split_emit.cpp).
   uint32_t rng_block(const NodeInfo& ni) const;
+  void set_random_draws(const NodeInfo& ni, PlannedNode& pn) const;
   PlannedNode planned_loop_node(Stage& st, LoopState& ls, int32_t i, size_t body_index, bool copy);
 
   const PlanInput& in_;

@@ -112,6 +112,63 @@ uint32_t SplitBuilder::rng_block(const NodeInfo& ni) const {
   return g;
 }
 
+// How a random loop node draws: from a stream of eager's numbers when its form is eager's on the
+// backing device, else keyed by row blocks. The stream's device bytes, for the memory model: a
+// chunk's copy of its rows for forms that compute on them (fills copy straight into their result),
+// and, off the CPU (where the stream is generated on the device, then moved to host memory), the
+// whole stream while it is generated.
+void SplitBuilder::set_random_draws(const NodeInfo& ni, PlannedNode& pn) const {
+  const Node& n = *ni.node;
+  const RngForm f = n.rng_form;
+  // Off the CPU, the draw (or, keyed by rows, eager's kernel run once to advance the generator as
+  // eager does) runs whole on the device on operands of the node's geometry: all of them at once.
+  int64_t operands = 0;
+  for (const Use& u : n.uses) operands += static_cast<int64_t>(u.ref.meta.numel() * c10::elementSize(u.ref.meta.dtype));
+  for (const Def& d : n.defs) operands += static_cast<int64_t>(d.ref.meta.numel() * c10::elementSize(d.ref.meta.dtype));
+  if (!in_.cpu_backing) pn.rng_whole_bytes = operands;
+  if (!rng_form_streams(f) || (!in_.cpu_backing && !rng_form_device_generic(f))) {
+    pn.rng_block = rng_block(ni);
+    return;
+  }
+  pn.rng_stream = true;
+  // The value the stream is shaped as: the input (dropout, multinomial), else the result.
+  const TensorMeta* m = nullptr;
+  if (f == RngForm::kDropout || f == RngForm::kMultinomial) {
+    if (!n.uses.empty()) m = &n.uses[0].ref.meta;
+  } else {
+    for (const Use& u : n.uses) {
+      if (u.write) m = &u.ref.meta;
+    }
+    if (!m && !n.defs.empty()) m = &n.defs[0].ref.meta;
+  }
+  if (!m) return;
+  const int64_t numel = m->numel();
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(m->dtype));
+  int64_t kept = elem; // per element, in host memory (execute/streams.cpp)
+  int64_t temp = 0;    // per element, a chunk's device copy of its rows
+  const std::string& name = n.op.schema().name();
+  if (f == RngForm::kFill && (name == "aten::bernoulli_" || name == "aten::bernoulli")) {
+    kept = 1; // 0 or 1: kept as bool
+  } else if (f == RngForm::kBernoulliP) {
+    bool dbl = false; // uniforms in double for a double p, else in float; then a bool per element
+    for (const Use& u : n.uses) {
+      if (!u.write) dbl = u.ref.meta.dtype == c10::kDouble;
+    }
+    kept = dbl ? 8 : 4;
+    temp = kept + 1;
+  } else if (f == RngForm::kDropout) {
+    kept = 1;
+    temp = elem;
+  } else if (f == RngForm::kMultinomial) {
+    temp = elem;
+  }
+  const int64_t batch = ni.batch >= 0 ? a_.batches[a_.find(ni.batch)].rows : 1;
+  const int64_t rows = std::max<int64_t>(ni.map.identity() ? batch : ni.map.n, 1);
+  pn.rng_row_bytes = (numel * temp + rows - 1) / rows;
+  pn.rng_stream_bytes = numel * kept;
+  if (!in_.cpu_backing) pn.rng_whole_bytes = std::max(operands, numel * std::max(elem, kept) * 2);
+}
+
 PlannedNode SplitBuilder::planned_loop_node(Stage& st, LoopState& ls, int32_t i, size_t body_index, bool copy) {
   const NodeInfo& ni = a_.nodes[i];
   const Node& n = *ni.node;
@@ -147,7 +204,7 @@ PlannedNode SplitBuilder::planned_loop_node(Stage& st, LoopState& ls, int32_t i,
   pn.post_div.assign(ni.rr.post_div.begin(), ni.rr.post_div.end());
   pn.post_div_written = ni.rr.post_div_written;
   pn.placeholder_outputs = op_rules(n.op).placeholder_outputs;
-  if (n.random && !ni.rr.no_draws) pn.rng_block = rng_block(ni);
+  if (n.random && !ni.rr.no_draws) set_random_draws(ni, pn);
   copying_ = false;
   return pn;
 }

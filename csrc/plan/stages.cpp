@@ -76,6 +76,21 @@ std::vector<Edge> edges(const Analysis& a) {
       if (it != producer.end() && it->second != v) out.push_back(Edge{it->second, v, 0, false});
     }
   }
+  // Random nodes draw from their generator in program order (DESIGN.md §7 RNG): each runs no earlier
+  // than the previous one drawing from the same generator (its stream is generated when it first
+  // runs; one a plan does not run, or whose chunk holds none of its rows, has its stream generated
+  // before any later draw).
+  std::unordered_map<const c10::GeneratorImpl*, int32_t> last_draw;
+  for (int32_t v : a.order) {
+    const NodeInfo& ni = a.nodes[v];
+    const Node& n = *ni.node;
+    if (!n.random || n.drawn || !rng_form_draws(n.rng_form) || ni.rr.no_draws) continue;
+    auto [it, fresh] = last_draw.emplace(n.generator.get(), v);
+    if (!fresh) {
+      out.push_back(Edge{it->second, v, 0, false});
+      it->second = v;
+    }
+  }
   return out;
 }
 

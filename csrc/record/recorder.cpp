@@ -169,6 +169,7 @@ class Emitter {
     LazyGenerator* gen = nullptr;
     if (rules.random) {
       n.random = true;
+      n.rng_form = random_form(call_.op, n.args);
       n.generator_arg = rules.generator_arg;
       at::Generator g;
       if (rules.generator_arg >= 0 && !n.args[rules.generator_arg].isNone()) {

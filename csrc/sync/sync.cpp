@@ -186,6 +186,7 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   in.resident = device_bytes_held();
   in.budget = memory_budget();
   in.force_chunks = config().force_chunks.load(std::memory_order_relaxed);
+  in.cpu_backing = backing_device().is_cpu();
   in.recompute = !config().recompute.load(std::memory_order_relaxed)      ? PlanInput::Recompute::kNever
                  : config().force_recompute.load(std::memory_order_relaxed) ? PlanInput::Recompute::kAlways
                                                                             : PlanInput::Recompute::kWhenTooBig;
@@ -202,7 +203,11 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
                             std::memory_order_relaxed);
   stats().nodes_planned.fetch_add(in.nodes.size(), std::memory_order_relaxed);
   if (config().debug >= 2) std::fprintf(stderr, "[lazymem] %s", plan.to_string(/*nodes=*/true).c_str());
-  ExecOutcome out = execute(plan);
+  std::vector<Node*> random_nodes; // they draw in program order, whatever the plan runs when
+  for (const auto& n : seg.nodes) {
+    if (n->random && !n->drawn && rng_form_draws(n->rng_form)) random_nodes.push_back(n.get());
+  }
+  ExecOutcome out = execute(plan, random_nodes);
   // A loop that ran out of memory finished with smaller chunks: so does the plan next time.
   for (auto [stage, chunk] : out.smaller_chunks) plan_learned_chunk(plan.template_id, stage, chunk);
   record_stats(plan, out);
