@@ -3,7 +3,7 @@ one pass over the batch and read by a later one (a convolution's output that bat
 its statistics pass, an activation the backward reads) is stored whole when that fits the device; when
 it does not, it is recomputed chunk by chunk in each pass that reads it — the nodes computing it run
 again for the chunk's rows — when they can run again (no effect, nothing written but chunk-local
-values, inputs unchanged by then; random ops draw keyed by row, the same again), else it is held in
+values, inputs unchanged by then; random ops read the draws generated for them once), else it is held in
 host memory. explain() says which.
 
 Exactness: with torch_lazymem.testing.force_recompute() every value that can be is recomputed, and
@@ -99,15 +99,14 @@ def test_explain_names_the_recomputed_values_and_the_nodes_run_again():
 @pytest.mark.parametrize("chunks", [2, 3, 8])
 def test_a_random_op_is_recomputed_with_the_same_draws(chunks):
     """Dropout before a batch norm: the linear layer's output crosses the statistics pass and its cone
-    holds the dropout. Split, dropout draws keyed by batch row from a seed drawn the first time it
-    runs, so run again for a chunk's rows in a later pass it draws the same mask, whatever the
-    chunking: recomputing at 2/3/8 chunks gives what storing at 3 gives, forward, gradients and three
-    SGD steps."""
+    holds the dropout. Split, the dropout's draws are generated once (eager's mask), so run again
+    for a chunk's rows in a later pass it reads the same mask: recomputing at 2/3/8 chunks gives
+    eager's forward, gradients and three SGD steps (issue 27), as storing at 3 does."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Dropout(0.3), nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 5)).double()
     runs = []
-    for forced in (False, True):
-        lazy = copy.deepcopy(model).to("lazymem")
+    for dev, forced in (("cpu", False), ("lazymem", False), ("lazymem", True)):
+        lazy = copy.deepcopy(model).to(dev)
         opt = torch.optim.SGD(lazy.parameters(), lr=0.1)
         torch.manual_seed(1)
         outs, recomputed = [], 0
@@ -115,17 +114,18 @@ def test_a_random_op_is_recomputed_with_the_same_draws(chunks):
             x = torch.randn(B, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
             torch_lazymem.reset_stats()
             with force_chunks(chunks if forced else 3), (force_recompute() if forced else contextlib.nullcontext()):
-                y = lazy(x.to("lazymem"))
+                y = lazy(x.to(dev))
                 y.square().mean().backward()
                 opt.step()
                 opt.zero_grad()
                 outs.append(y.detach().cpu())
             recomputed += torch_lazymem.stats()["values_recomputed"]
         runs.append((outs, [p.detach().cpu() for p in lazy.parameters()], recomputed))
-    for a, b in zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1]):
-        torch.testing.assert_close(b, a)
-    assert runs[0][2] == 0
-    assert runs[1][2] >= 3  # every step recomputed the dropout's cone
+    for run in runs[1:]:
+        for a, b in zip(runs[0][0] + runs[0][1], run[0] + run[1]):
+            torch.testing.assert_close(b, a)
+    assert runs[1][2] == 0
+    assert runs[2][2] >= 3  # every step recomputed the dropout's cone
 
 
 class WideBNNet(nn.Module):

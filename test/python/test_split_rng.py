@@ -418,3 +418,41 @@ def test_a_random_op_left_pending_has_drawn_before_a_later_manual_seed():
         assert torch_lazymem.stats()["nodes_kept_pending"] > 0
         assert got[0] == pytest.approx(expected[0], rel=1e-12)
         assert torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2])
+
+
+CAPPED_OPS = ["randn_like", "bernoulli(p)", "bernoulli_(0.3)", "normal(mean, std)", "uniform_", "dropout",
+              "native_dropout", "multinomial", "multinomial 3", "poisson"]
+
+
+@pytest.mark.parametrize("op_name", CAPPED_OPS)
+def test_under_a_cap_where_eager_runs_out_of_memory_the_draws_are_eager(op_name):
+    """4,000 rows of 64 features in float64 under 3 MiB: eager holds the input, its activation, the
+    draws and their result at once and runs out of memory; lazymem splits, and each row's result is
+    bitwise the uncapped eager run's (the row sums are per row: no reassociation)."""
+    rows, width = 4000, 64
+    lin = nn.Linear(width, width).double()
+    w = data(width, seed=3)
+
+    def rows_out(dev):  # (its intermediates die with it: only the row sums are read)
+        with torch.no_grad():
+            y = OPS[op_name](copy.deepcopy(lin).to(dev)(data(rows, width, seed=4).to(dev)))
+            return (y * w.to(dev)[: y.shape[1]]).sum(1)
+
+    def run(dev):
+        torch.manual_seed(6)
+        out = rows_out(dev)
+        return out.cpu(), torch.rand(3, dtype=D, device=dev).cpu()
+
+    cap = (5 if op_name in WHOLE else 3) << 20  # (poisson runs whole: its input and result held at once)
+    with memory_cap(cap), pytest.raises(torch.OutOfMemoryError):
+        run("cpu")
+    expected = run("cpu")
+    torch.lazymem.synchronize()
+    torch_lazymem.reset_stats()
+    with simulated_device(cap):
+        torch.lazymem.reset_peak_memory_stats()
+        got = run("lazymem")
+        peak = torch.lazymem.max_memory_allocated()
+    stats = torch_lazymem.stats()
+    assert peak <= cap and stats["splits"] >= 1, (peak, torch_lazymem.explain(print_it=False))
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
