@@ -306,11 +306,15 @@ void Binder::accumulate(int32_t slot) {
   LazyBuffer& b = *a.buf;
   c10::Storage& part = local_[slot];
   LAZYMEM_INTERNAL_ASSERT(static_cast<bool>(part), "partial of b", b.id, " was never written in this chunk");
-  if (!b.has_real()) {
-    // The first chunk's partial becomes the accumulator.
+  if (!acc_started_[sl.acc]) {
+    // The first chunk's partial becomes the accumulator — whatever the buffer held before this loop
+    // (an earlier execution of the same loop that finished before the plan stopped, replanned from
+    // there, must not be added to).
+    acc_started_[sl.acc] = 1;
     if (part.nbytes() >= b.nbytes.load()) {
       b.set_real(part);
     } else {
+      if (b.has_real() && b.real.nbytes() < b.nbytes.load()) b.drop_real();
       ensure_real(b, b.nbytes.load());
       real_view(b, a.meta).copy_(storage_view(part, a.meta));
     }

@@ -8,13 +8,16 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/SmallVector.h>
 
+#include <vector>
+
 #include "plan/plan.h"
 
 namespace lazymem {
 
 class Binder {
  public:
-  explicit Binder(const Stage& stage) : stage_(stage), local_(stage.slots.size()) {}
+  explicit Binder(const Stage& stage)
+      : stage_(stage), local_(stage.slots.size()), acc_started_(stage.accs.size(), 0) {}
 
   // Loop stages: the chunk of batch rows [start, start + rows) begins; every chunk-local storage is
   // empty.
@@ -76,6 +79,7 @@ class Binder {
 
   const Stage& stage_;
   c10::SmallVector<c10::Storage, 16> local_;
+  std::vector<char> acc_started_; // per accumulator: a chunk's partial became it in this loop
   int64_t c0_ = 0, c1_ = 0; // the chunk's batch rows
   int64_t node_start_ = 0, node_rows_ = 0, node_total_ = 0;
 };
