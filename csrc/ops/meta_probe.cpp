@@ -8,6 +8,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include <ATen/OpMathType.h>
+
 #include "core/runtime.h"
 
 namespace lazymem {
@@ -92,6 +94,20 @@ void set_slot(torch::jit::Stack& stack, int32_t arg, int32_t elem, at::Tensor t)
   }
 }
 
+} // namespace
+
+std::optional<c10::ScalarType> backing_result_dtype(const c10::OperatorHandle& op, size_t ret,
+                                                     c10::ScalarType input) {
+  static const c10::OperatorName flash_cpu("aten::_scaled_dot_product_flash_attention_for_cpu", "");
+  if (ret == 1 && backing_device().is_cpu() && op.operator_name() == flash_cpu &&
+      input != c10::ScalarType::Undefined) {
+    return at::toOpMathType(input);
+  }
+  return std::nullopt;
+}
+
+namespace {
+
 std::optional<ProbeOutput> run(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
                                const std::vector<ProbeTensor>& tensors) {
   c10::impl::ExcludeDispatchKeyGuard guard(kAboveBackendKeys);
@@ -127,13 +143,17 @@ std::optional<ProbeOutput> run(const c10::OperatorHandle& op, const std::vector<
     return std::nullopt;
   }
   ProbeOutput out;
+  c10::ScalarType input = c10::ScalarType::Undefined; // the first tensor argument's dtype
+  for (const ProbeTensor& t : tensors) {
+    if (t.arg == 0 && t.elem < 0) input = t.dtype;
+  }
   auto add = [&](const c10::IValue& v, int32_t ret, int32_t elem) {
     ProbeOutput::Item item;
     item.ret = ret;
     item.elem = elem;
     if (v.isTensor() && v.toTensor().defined()) {
       item.sizes.assign(v.toTensor().sizes().begin(), v.toTensor().sizes().end());
-      item.dtype = v.toTensor().scalar_type();
+      item.dtype = backing_result_dtype(op, static_cast<size_t>(ret), input).value_or(v.toTensor().scalar_type());
     }
     out.items.push_back(std::move(item));
   };

@@ -42,6 +42,13 @@ struct ProbeOutput {
   }
 };
 
+// The dtype the backing device's kernel gives result `ret` of `op` where its meta kernel gives
+// another (nullopt: meta is right). torch 2.11's meta _scaled_dot_product_flash_attention_for_cpu
+// gives its logsumexp float32 for double inputs; the CPU kernel (and 2.13's meta) the inputs' opmath
+// type. `input` is the op's first tensor argument's dtype.
+std::optional<c10::ScalarType> backing_result_dtype(const c10::OperatorHandle& op, size_t ret,
+                                                     c10::ScalarType input);
+
 // `args`: the boxed arguments with tensor slots to be filled from `tensors` (their other values are
 // used as given). nullopt when the meta kernel raises or does not exist.
 std::optional<ProbeOutput> meta_probe(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,

@@ -6,6 +6,10 @@
 // strides, and later ops then see other strides than eager (different kernels, different rounding).
 // So for these ops the backend is selected here exactly as ATen selects it — on device tensors that
 // hold metadata only — and the meta outputs are given that backend's memory format.
+// The same place corrects an output dtype a meta kernel gets wrong: torch 2.11's meta
+// _scaled_dot_product_flash_attention_for_cpu gives its logsumexp float32 for double inputs where
+// the CPU kernel (and 2.13's meta) gives the inputs' opmath type; recorded as float32, the backward
+// kernel refused it ("expected scalar type Double but found Float").
 #include "record/layout.h"
 
 #include <ATen/native/ConvUtils.h>
@@ -16,6 +20,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include "core/runtime.h"
+#include "ops/meta_probe.h"
 
 namespace lazymem {
 namespace {
@@ -93,13 +98,26 @@ at::Tensor in_format(const at::Tensor& t, at::MemoryFormat fmt) {
 bool backing_layout_applies(const c10::OperatorHandle& op) {
   static const c10::OperatorName conv("aten::convolution", "");
   static const c10::OperatorName conv_bw("aten::convolution_backward", "");
+  static const c10::OperatorName flash_cpu("aten::_scaled_dot_product_flash_attention_for_cpu", "");
   const auto& name = op.operator_name();
-  return name == conv || name == conv_bw;
+  return name == conv || name == conv_bw || name == flash_cpu;
 }
 
 void apply_backing_layout(const c10::OperatorHandle& op, const torch::jit::Stack& args, torch::jit::Stack& results) {
   const c10::Device device = backing_device();
   if (!device.is_cpu() && !device.is_cuda()) return;
+  static const c10::OperatorName flash_cpu("aten::_scaled_dot_product_flash_attention_for_cpu", "");
+  if (op.operator_name() == flash_cpu) {
+    // (output, logsumexp): the logsumexp as the CPU kernel allocates it (ops/meta_probe.h).
+    if (results.size() < 2 || !results[1].isTensor() || !args[0].isTensor()) return;
+    const at::Tensor lse = results[1].toTensor();
+    const auto want = backing_result_dtype(op, 1, args[0].toTensor().scalar_type());
+    if (lse.defined() && want && lse.scalar_type() != *want) {
+      c10::impl::ExcludeDispatchKeyGuard guard(kAboveBackendKeys);
+      results[1] = at::empty_strided(lse.sizes(), lse.strides(), lse.options().dtype(*want));
+    }
+    return;
+  }
   static const c10::OperatorName conv_bw("aten::convolution_backward", "");
   const bool backward = op.operator_name() == conv_bw;
   c10::impl::ExcludeDispatchKeyGuard guard(kAboveBackendKeys);
