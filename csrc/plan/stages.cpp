@@ -76,20 +76,18 @@ std::vector<Edge> edges(const Analysis& a) {
       if (it != producer.end() && it->second != v) out.push_back(Edge{it->second, v, 0, false});
     }
   }
-  // Random nodes draw from their generator in program order (DESIGN.md §7 RNG): each runs no earlier
-  // than the previous one drawing from the same generator (its stream is generated when it first
-  // runs; one a plan does not run, or whose chunk holds none of its rows, has its stream generated
-  // before any later draw).
-  std::unordered_map<const c10::GeneratorImpl*, int32_t> last_draw;
+  // Random nodes draw from their generator in program order (DESIGN.md §7 RNG). One whose draws can
+  // be taken ahead of it (a stream, a row-keyed seed: execute/streams.cpp) has them taken when a
+  // later one draws first; one that can only draw by running (its draws depend on its inputs'
+  // values) is a fence: every node drawing after it from the same generator runs no earlier.
+  std::unordered_map<const c10::GeneratorImpl*, int32_t> fence;
   for (int32_t v : a.order) {
     const NodeInfo& ni = a.nodes[v];
     const Node& n = *ni.node;
     if (!n.random || n.drawn || !rng_form_draws(n.rng_form) || ni.rr.no_draws) continue;
-    auto [it, fresh] = last_draw.emplace(n.generator.get(), v);
-    if (!fresh) {
-      out.push_back(Edge{it->second, v, 0, false});
-      it->second = v;
-    }
+    auto it = fence.find(n.generator.get());
+    if (it != fence.end()) out.push_back(Edge{it->second, v, 0, false});
+    if (!rng_form_streams(n.rng_form)) fence[n.generator.get()] = v;
   }
   return out;
 }

@@ -76,8 +76,13 @@ class ProgramBuilder {
       n->defs.push_back(Def{static_cast<int32_t>(j), -1, TensorRef{t.buf, m, 0}});
       out.push_back(t);
     }
+    mark_random(*n);
     program_.append(std::move(n));
     return out;
+  }
+  // The next node appended draws from `g` with form `f` (a random op).
+  void next_random(c10::GeneratorImpl* g, RngForm f) {
+    random_ = {g, f};
   }
   // An in-place op writing `self` (argument 0, its old contents read) and reading `ins`.
   void inplace(const char* name, const char* overload, std::vector<c10::IValue> args, const T& self,
@@ -95,6 +100,7 @@ class ProgramBuilder {
       u.ref = TensorRef{t.buf, t.meta, 0};
       n->uses.push_back(std::move(u));
     }
+    mark_random(*n);
     program_.append(std::move(n));
   }
   // Detaches everything and plans it with `live` surviving and `needed` read.
@@ -112,6 +118,15 @@ class ProgramBuilder {
   }
 
  private:
+  void mark_random(Node& n) {
+    if (!random_.first) return;
+    n.random = true;
+    n.generator = c10::intrusive_ptr<c10::GeneratorImpl>::reclaim_copy(random_.first);
+    n.rng_form = random_.second;
+    random_ = {};
+  }
+
+  std::pair<c10::GeneratorImpl*, RngForm> random_{nullptr, RngForm::kNone};
   Program program_;
   Segment seg_;
   std::unordered_set<const LazyBuffer*> live_;

@@ -3,6 +3,7 @@
 // pending, the memory model and the chunk size.
 #include <algorithm>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
 #include "plan/memory.h"
@@ -218,6 +219,66 @@ TEST(Plans, NothingRunsWhenNoResultSurvives) {
     std::sort(expect.begin(), expect.end());
     EXPECT_EQ(released, expect);
   }
+}
+
+
+// Random ops draw in program order (DESIGN.md §7 RNG). A loop's random node whose draws are a stream
+// has them taken ahead when a later random op runs first (execute/streams.cpp): it constrains no
+// stage, and the later draw (read whole by the loop) runs in the whole stage before it. One whose
+// draws depend on its inputs' values (poisson) is a fence: a later draw runs after it.
+struct TwoDraws {
+  ProgramBuilder b;
+  at::Generator g = at::detail::createCPUGenerator(7);
+  T s, s2;
+  explicit TwoDraws(bool fence) {
+    T x = b.upload({12, 4});
+    b.next_random(g.unsafeGetGeneratorImpl(), fence ? RngForm::kWhole : RngForm::kBernoulliP);
+    T r = b.op(fence ? "aten::poisson" : "aten::bernoulli", "", {kNone, kNone}, {{0, x}}, {{12, 4}})[0];
+    T w = b.fill({4}, 0.0);
+    b.next_random(g.unsafeGetGeneratorImpl(), RngForm::kFill);
+    b.inplace("aten::normal_", "", {kNone, c10::IValue(0.0), c10::IValue(1.0), kNone}, w);
+    // (the poisson barrier's result summed apart: the loop is over x's rows)
+    T y = b.op("aten::mul", "Tensor", {kNone, kNone}, {{0, fence ? x : r}, {1, w}}, {{12, 4}})[0];
+    s = b.op("aten::sum", "", {kNone, kNone}, {{0, y}}, {{}})[0];
+    if (fence) s2 = b.op("aten::sum", "", {kNone, kNone}, {{0, r}}, {{}})[0];
+  }
+  // Where the first random node and normal_ run: (stage, position in it).
+  using At = std::pair<int, int>;
+  std::pair<At, At> stages(const Plan& p) {
+    At first{-1, -1}, normal{-1, -1};
+    for (size_t k = 0; k < p.stages.size(); ++k) {
+      for (size_t i = 0; i < p.stages[k].nodes.size(); ++i) {
+        const std::string name = p.stages[k].nodes[i].node->op.schema().name();
+        const At at{static_cast<int>(k), static_cast<int>(i)};
+        if ((name == "aten::bernoulli" || name == "aten::poisson") && first.first < 0) first = at;
+        if (name == "aten::normal_") normal = at;
+      }
+    }
+    return {first, normal};
+  }
+};
+
+TEST(SplitPlan, AStreamedDrawConstrainsNoStage) {
+  TwoDraws t(/*fence=*/false);
+  Plan p = t.b.plan({t.s}, {t.s}, /*force_chunks=*/3);
+  ASSERT_TRUE(p.split) << p.to_string();
+  auto [bernoulli, normal] = t.stages(p);
+  ASSERT_GE(bernoulli.first, 0);
+  EXPECT_TRUE(p.stages[bernoulli.first].loop);
+  EXPECT_LT(normal.first, bernoulli.first) << p.to_string(true); // one pass: the later draw runs first
+  for (const PlannedNode& pn : p.stages[bernoulli.first].nodes) {
+    if (pn.node->op.schema().name() == "aten::bernoulli") EXPECT_TRUE(pn.rng_stream);
+  }
+}
+
+TEST(SplitPlan, ADrawThatDependsOnItsInputsIsAFenceForLaterDraws) {
+  TwoDraws t(/*fence=*/true);
+  Plan p = t.b.plan({t.s, t.s2}, {t.s, t.s2}, /*force_chunks=*/3);
+  ASSERT_TRUE(p.split) << p.to_string();
+  auto [poisson, normal] = t.stages(p);
+  ASSERT_GE(poisson.first, 0);
+  EXPECT_FALSE(p.stages[poisson.first].loop); // a barrier: it runs whole
+  EXPECT_GT(normal, poisson) << p.to_string(true);
 }
 
 } // namespace
