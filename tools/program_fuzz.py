@@ -12,6 +12,9 @@ The grammar:
   random   random ops after any layer (so over the layout it leaves: a linear's, a convolution's, a
            sequence model's, a transpose, a slice of the batch): *_like noise, a rand_like mask, a
            bernoulli mask with a tensor p, normal with tensor mean and std, functional dropout
+  memory   values crossing passes held in host memory (set_recompute(False)) in a quarter of the
+           programs, always recomputed in a tenth, priced in the rest; the simulated device checks that
+           every kernel operand is in device memory (LAZYMEM_CHECK_BOUNDARY=1)
   acts     relu / gelu / tanh / silu, some in place
   losses   cross entropy (class weights, label smoothing), MSE on a regression head
   loops    loss read before or after backward, two backwards over the halves of the batch before one
@@ -52,9 +55,13 @@ import time
 import traceback
 import warnings
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+# Kernels are handed device memory only: a value held in host memory reaching one is an internal error
+# (the simulated device checks it under its cap anyway; this covers the uncapped runs too).
+os.environ.setdefault("LAZYMEM_CHECK_BOUNDARY", "1")
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 D = torch.float64
 MiB = 1 << 20
@@ -87,6 +94,9 @@ class Spec:
     cap_fraction: float
     fail_at: int              # 0: no injected failure; else the n-th allocation of the first sync
     rand_ops: list = dataclasses.field(default_factory=list)  # (after layer i, random op) pairs
+    # set_recompute for the lazymem run: None (priced, the default), True, or False (values crossing
+    # passes held in host memory: every read of them crosses the boundary).
+    recompute: bool | None = None
 
     FEATURES = ("read_before", "halves", "clip", "scaler", "mid_sync", "towers", "mixup", "inplace")
 
@@ -94,6 +104,7 @@ class Spec:
         flags = [f for f in self.FEATURES if getattr(self, f)]
         mode = f"train {self.steps} x {self.optim}" if self.training else "inference"
         rand = f" random={[f'{i}:{op}' for i, op in self.rand_ops]}" if self.rand_ops else ""
+        rand += f" recompute={self.recompute}" if self.recompute is not None else ""
         return (f"seed {self.seed}: {self.kind} B={self.batch} width={self.width} layers={self.layers} "
                 f"act={self.act} loss={self.loss} {mode} {' '.join(flags)} cap={self.cap_fraction:.2f} "
                 f"fail_at={self.fail_at}{rand}")
@@ -116,6 +127,9 @@ def draw(seed: int) -> Spec:
     # they joined the grammar (the regression seeds replay the programs that found their bugs).
     q = random.Random(seed ^ 0x5EED)
     rand_ops = sorted((q.randint(0, 4), q.choice(RANDOM_OPS)) for _ in range(q.choice([0, 0, 1, 1, 2, 3])))
+    # So does the recompute setting (host memory for values crossing passes in a quarter of programs).
+    h = random.Random(seed ^ 0x4057).random()
+    recompute = False if h < 0.25 else True if h < 0.35 else None
     r = random.Random(seed)
     kind = r.choice(list(LAYERS))
     training = r.random() < 0.8
@@ -129,7 +143,7 @@ def draw(seed: int) -> Spec:
         clip=training and r.random() < 0.3, scaler=training and not halves and r.random() < 0.15,
         mid_sync=r.random() < 0.2, towers=r.random() < 0.2, mixup=r.random() < 0.2,
         cap_fraction=r.uniform(0.05, 1.0), fail_at=r.randint(1, 40) if r.random() < 0.3 else 0,
-        rand_ops=[(min(i, len(layers)), op) for i, op in rand_ops])
+        rand_ops=[(min(i, len(layers)), op) for i, op in rand_ops], recompute=recompute)
 
 
 def random_op(name: str, h: torch.Tensor) -> torch.Tensor:
@@ -375,7 +389,10 @@ def check(spec: Spec) -> dict:
     torch.lazymem.synchronize()
     torch_lazymem.reset_stats()
     result = {"seed": spec.seed, "cap": cap, "eager_peak": peak}
+    previous = torch_lazymem.recompute()
     try:
+        if spec.recompute is not None:  # (None: as configured, LAZYMEM_RECOMPUTE; priced by default)
+            torch_lazymem.set_recompute(spec.recompute)
         with simulated_device(cap):
             torch.lazymem.reset_peak_memory_stats()
             if spec.fail_at:
@@ -392,6 +409,7 @@ def check(spec: Spec) -> dict:
     finally:
         with contextlib.suppress(Exception):
             torch.lazymem.synchronize()
+        torch_lazymem.set_recompute(previous)
     stats = torch_lazymem.stats()
     result.update(peak=lazy_peak, split=stats["splits"] > 0, retries=stats["oom_retries"])
     if lazy_peak > cap:
@@ -421,6 +439,8 @@ def minimize(spec: Spec) -> Spec:
             candidates.append(dataclasses.replace(spec, fail_at=0))
         if spec.steps > 1:
             candidates.append(dataclasses.replace(spec, steps=1))
+        if spec.recompute is not None:
+            candidates.append(dataclasses.replace(spec, recompute=None))
         candidates += [dataclasses.replace(spec, rand_ops=spec.rand_ops[:i] + spec.rand_ops[i + 1:])
                        for i in range(len(spec.rand_ops))]
         for c in candidates:

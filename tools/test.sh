@@ -37,7 +37,7 @@ PY
   cd "$ASAN_DIR/pkg"
   PYTHONMALLOC=malloc LD_PRELOAD="$SAN_RT" PYTHONPATH="$ASAN_DIR/pkg:$ROOT/test/python" \
     python -m pytest -q -p no:cacheprovider --rootdir "$ROOT/test/python" -x \
-    $(ls "$ROOT"/test/python/test_split_*.py "$ROOT"/test/python/test_sync_points.py) "$@"
+    $(ls "$ROOT"/test/python/test_split_*.py "$ROOT"/test/python/test_sync_points.py "$ROOT"/test/python/test_two_memories.py) "$@"
   exit 0
 fi
 

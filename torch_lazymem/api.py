@@ -69,20 +69,24 @@ def set_memory_budget(budget: Union[int, str, None]) -> None:
     _C._set_memory_budget(nbytes)
 
 
-def set_recompute(enabled: bool = True) -> None:
+def set_recompute(enabled: bool | None = True) -> None:
     """What a split does with a batch-sharded value that crosses passes over the batch (batch norm in
     training, reductions over the batch used in the same step) when storing it whole does not fit the
-    device budget: recompute it chunk by chunk in each pass that reads it, when the nodes computing it
-    can run again (the default), else hold it in host memory; ``False`` always holds it in host memory.
-    Values that fit on the device are stored either way. Also ``LAZYMEM_RECOMPUTE=0``."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"lazymem: set_recompute expects True or False, got {enabled!r}")
-    _C._set_recompute(enabled)
+    device budget. ``None`` (the default): whichever costs less — recompute it chunk by chunk in each
+    pass that reads it (the nodes computing it run again, at their measured time), or hold it in host
+    memory (copied out once and back in by each pass, at the link's time); until a step has run, it
+    is recomputed. ``True``: recompute it whenever its nodes can run again, else hold it in host
+    memory. ``False``: always hold it in host memory. Values that fit on the device are stored either
+    way. Also ``LAZYMEM_RECOMPUTE=1``, ``0`` or ``auto``; ``explain()`` says what was chosen and why."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"lazymem: set_recompute expects True, False or None, got {enabled!r}")
+    _C._set_recompute(-1 if enabled is None else int(enabled))
 
 
-def recompute() -> bool:
-    """Whether values crossing passes that do not fit the device are recomputed (see set_recompute)."""
-    return bool(_C._recompute())
+def recompute() -> bool | None:
+    """The recompute setting (see set_recompute): True, False, or None (priced, the default)."""
+    v = int(_C._recompute())
+    return None if v < 0 else bool(v)
 
 
 def memory_budget() -> int:

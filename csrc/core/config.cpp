@@ -49,6 +49,12 @@ std::map<std::string, int64_t> Stats::snapshot() const {
       {"values_in_host_memory", ld(values_in_host_memory)},
       {"collectives", ld(collectives)},
       {"collective_bytes", ld(collective_bytes)},
+      {"h2d_bytes", ld(h2d_bytes)},
+      {"h2d_copies", ld(h2d_copies)},
+      {"h2d_ns", ld(h2d_ns)},
+      {"d2h_bytes", ld(d2h_bytes)},
+      {"d2h_copies", ld(d2h_copies)},
+      {"d2h_ns", ld(d2h_ns)},
   };
 }
 
@@ -84,6 +90,12 @@ void Stats::reset() {
   values_in_host_memory = 0;
   collectives = 0;
   collective_bytes = 0;
+  h2d_bytes = 0;
+  h2d_copies = 0;
+  h2d_ns = 0;
+  d2h_bytes = 0;
+  d2h_copies = 0;
+  d2h_ns = 0;
 }
 
 static Config* make_config() {
@@ -92,8 +104,12 @@ static Config* make_config() {
     c->debug = std::atoi(d) > 0 ? std::atoi(d) : (std::string(d).empty() || std::string(d) == "0" ? 0 : 1);
   }
   if (const char* p = std::getenv("LAZYMEM_PLAN_CACHE")) c->plan_cache = std::string(p) != "0";
-  if (const char* p = std::getenv("LAZYMEM_RECOMPUTE")) c->recompute = std::string(p) != "0";
+  if (const char* p = std::getenv("LAZYMEM_RECOMPUTE")) {
+    const std::string v(p);
+    c->recompute = v == "0" ? 0 : (v == "auto" || v.empty() ? -1 : 1);
+  }
   if (const char* p = std::getenv("LAZYMEM_CHECK_TAPE")) c->check_tape = std::string(p) == "1";
+  if (const char* p = std::getenv("LAZYMEM_CHECK_BOUNDARY")) c->check_boundary = std::string(p) == "1";
   if (const char* n = std::getenv("LAZYMEM_FLUSH_NODES")) {
     c->flush_threshold_nodes = std::strtoull(n, nullptr, 10);
   }
@@ -160,6 +176,22 @@ std::string format_bytes(int64_t n) {
     std::snprintf(buf, sizeof(buf), "%.2f KiB", v / 1024.0);
   } else {
     std::snprintf(buf, sizeof(buf), "%lld bytes", static_cast<long long>(n));
+  }
+  return buf;
+}
+
+} // namespace lazymem
+
+namespace lazymem {
+
+std::string format_seconds(double s) {
+  char buf[32];
+  if (s >= 1) {
+    std::snprintf(buf, sizeof(buf), "%.2f s", s);
+  } else if (s >= 1e-3) {
+    std::snprintf(buf, sizeof(buf), "%.2f ms", s * 1e3);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.0f us", s * 1e6);
   }
   return buf;
 }

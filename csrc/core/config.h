@@ -43,6 +43,13 @@ struct Stats {
   std::atomic<uint64_t> values_in_host_memory{0}; // batch-sharded values a split assembled in host memory
   std::atomic<uint64_t> collectives{0};      // torch.distributed collectives run (dist/collectives.cpp)
   std::atomic<uint64_t> collective_bytes{0}; // bytes they sent from this rank (their inputs' sizes)
+  // Copies across the host/device boundary (execute/transfer.h): bytes, copies and time each way.
+  std::atomic<uint64_t> h2d_bytes{0};
+  std::atomic<uint64_t> h2d_copies{0};
+  std::atomic<uint64_t> h2d_ns{0};
+  std::atomic<uint64_t> d2h_bytes{0};
+  std::atomic<uint64_t> d2h_copies{0};
+  std::atomic<uint64_t> d2h_ns{0};
   std::map<std::string, int64_t> snapshot() const;
   void reset();
 };
@@ -71,10 +78,11 @@ struct Config {
   // disables; plan/reuse.h).
   std::atomic<bool> plan_cache{true};
   // A batch-sharded value that crosses passes of a split and does not fit the device budget is
-  // recomputed chunk by chunk where it is read, when its computation can run again (true), else it
-  // is held in host memory; false: always host memory. LAZYMEM_RECOMPUTE=0,
+  // recomputed chunk by chunk where it is read, when its computation can run again (1), else it
+  // is held in host memory; 0: always host memory; -1 (the default): whichever costs less, by the
+  // recomputing nodes' measured time and the copies' modeled time. LAZYMEM_RECOMPUTE=0/1/auto,
   // torch_lazymem.set_recompute().
-  std::atomic<bool> recompute{true};
+  std::atomic<int> recompute{-1};
   // Recompute every value crossing passes that can be, fitting or not (testing).
   std::atomic<bool> force_recompute{false};
   // Kernels that allocate inside are measured on a row or two before a plan that runs them new
@@ -83,11 +91,19 @@ struct Config {
   // Check at every plan that the Program's tape (ir/tape.h), kept as nodes are appended, equals one
   // built from the nodes (LAZYMEM_CHECK_TAPE=1; the test suite sets it).
   std::atomic<bool> check_tape{false};
+  // Check that every kernel operand is in device memory on the simulated device (LAZYMEM_CHECK_BOUNDARY=1;
+  // the test suite and the fuzzer set it; always on while a simulated capacity is set).
+  std::atomic<bool> check_boundary{false};
+  // The simulated device's modeled link between host and device memory, bytes per second each way
+  // (0: not modeled). torch_lazymem.testing.simulated_device(link=...) (execute/transfer.h).
+  std::atomic<double> link_bandwidth{0.0};
 };
 Config& config();
 
 // Parses "256MiB", "1.5GB", "4096" into bytes; throws a lazymem: ValueError on bad input.
 int64_t parse_bytes(const std::string& text);
 std::string format_bytes(int64_t n);
+// "3.2 ms", "1.50 s", "840 us".
+std::string format_seconds(double s);
 
 } // namespace lazymem

@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include <cmath>
+#include <optional>
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/empty.h>
@@ -17,6 +18,7 @@
 #include "core/config.h"
 #include "core/runtime.h"
 #include "execute/real.h"
+#include "execute/transfer.h"
 #include "plan/localize.h"
 
 namespace lazymem {
@@ -38,6 +40,15 @@ void merge_norms(at::Tensor& acc, const at::Tensor& part, double p) {
 }
 
 using Taken = c10::SmallVector<const c10::StorageImpl*, 8>;
+
+// Copies a kernel's result into `b`'s view `dst`: across the boundary when `b` is held in host memory.
+void store(const LazyBuffer& b, const at::Tensor& dst, const at::Tensor& r) {
+  if (b.real_on_host) {
+    copy_to_host(dst, r);
+  } else {
+    dst.copy_(r);
+  }
+}
 
 // A kernel result can become a buffer's (or slot's) storage when it is plain dense data on the
 // backing device with exactly the expected geometry and enough bytes, and no other output of the
@@ -83,6 +94,7 @@ at::Tensor storage_view(const c10::Storage& storage, const TensorMeta& meta, boo
 }
 
 void Binder::begin_chunk(int64_t start, int64_t rows) {
+  copies_.clear();
   c0_ = start;
   c1_ = start + rows;
   node_start_ = start;
@@ -92,6 +104,7 @@ void Binder::begin_chunk(int64_t start, int64_t rows) {
 }
 
 bool Binder::begin_node(const PlannedNode& pn) {
+  copies_.clear();
   const auto [first, count] = rows_of(pn.rows);
   node_start_ = first;
   node_rows_ = count;
@@ -128,7 +141,32 @@ at::Tensor Binder::slot_view(int32_t slot, const TensorMeta& meta, bool partial)
   return storage_view(slot_storage(slot), m);
 }
 
+at::Tensor Binder::device_copy(int64_t key, const at::Tensor& home, bool back, bool fill) {
+  for (const Copy& c : copies_) {
+    if (c.key == key) return c.device;
+  }
+  // A value the node only overwrites needs no bytes brought over.
+  copied_bytes_ += static_cast<int64_t>(home.numel() * home.element_size());
+  at::Tensor d = fill ? copy_to_device(home) : at::empty(home.sizes(), home.options().device(backing_device()));
+  copies_.push_back(Copy{key, home, d, back});
+  return d;
+}
+
 at::Tensor Binder::use(const PlannedNode& pn, size_t i) {
+  at::Tensor v = home(pn, i);
+  const Use& u = pn.node->uses[i];
+  const Bound* bd = pn.uses.empty() ? nullptr : &pn.uses[i];
+  // Only the buffer's own storage can be in host memory (slots are chunk-local device storage).
+  const bool own = !bd || bd->bind == Bind::kWhole || bd->bind == Bind::kNarrow;
+  if (!own || !u.ref.buf->real_on_host || !v.defined()) return v;
+  if (bd && bd->bind == Bind::kNarrow && bd->outer != 1) { // a gathered copy
+    copied_bytes_ += static_cast<int64_t>(v.numel() * v.element_size());
+    return copy_to_device(v);
+  }
+  return device_copy(static_cast<int64_t>(i), v, u.write, !u.write_only);
+}
+
+at::Tensor Binder::home(const PlannedNode& pn, size_t i) {
   const Use& u = pn.node->uses[i];
   LazyBuffer& b = *u.ref.buf;
   const Bound* bd = pn.uses.empty() ? nullptr : &pn.uses[i];
@@ -161,12 +199,11 @@ at::Tensor Binder::use(const PlannedNode& pn, size_t i) {
         // Rows of every block of a time-major flatten: gathered into a copy of the chunk's shape.
         LAZYMEM_INTERNAL_ASSERT(!u.write, pn.node->describe(), " writes rows of a time-major flatten in place");
         const TensorMeta g = gathered_rows(u.ref.meta, bd->dim, bd->unit, bd->outer, count);
+        // (Held in host memory: gathered there, then copied over whole by use().)
+        std::optional<CountingScope> host;
+        if (b.real_on_host) host.emplace(&host_counter());
         return real_view(b, narrow_rows_blocks(u.ref.meta, bd->dim, bd->unit, bd->outer, first, count))
             .reshape(g.sizes);
-      }
-      if (b.real_on_host && !backing_device().is_cpu()) {
-        // A value stored in host memory because it did not fit the device: its rows are brought over.
-        return real_view(b, narrow_rows(u.ref.meta, bd->dim, bd->unit, first, count)).to(backing_device());
       }
       return real_view(b, narrow_rows(u.ref.meta, bd->dim, bd->unit, first, count));
     }
@@ -230,7 +267,7 @@ void Binder::def(const PlannedNode& pn, size_t i, const at::Tensor& r, Taken& ta
     // authoritative, so the values are copied into the layout every lazymem view expects.
     note_copied(d, m, r);
     ensure_real(b, m.extent_bytes());
-    real_view(b, m).copy_(r);
+    store(b, real_view(b, m), r);
     return;
   }
   if (bind == Bind::kNarrow) {
@@ -242,10 +279,10 @@ void Binder::def(const PlannedNode& pn, size_t i, const at::Tensor& r, Taken& ta
     if (bd->outer != 1) { // scattered into every block of a time-major flatten
       const auto [first, count] = rows_of(bd->map);
       const TensorMeta e = narrow_rows_blocks(d.ref.meta, bd->dim, bd->unit, bd->outer, first, count);
-      real_view(b, e).copy_(r.reshape(e.sizes));
+      store(b, real_view(b, e), r.reshape(e.sizes));
       return;
     }
-    real_view(b, m).copy_(r);
+    store(b, real_view(b, m), r);
     return;
   }
   // kLocal / kPartial: the slot's storage.
@@ -278,7 +315,12 @@ at::Tensor Binder::bound_def(const PlannedNode& pn, size_t i) {
   LAZYMEM_INTERNAL_ASSERT(!bd || bd->bind != Bind::kNarrow || bd->outer == 1, pn.node->describe(),
                           ": rows of a time-major flatten are no view");
   if (!bd || bd->bind == Bind::kWhole) ensure_real(*d.ref.buf, m.extent_bytes());
-  if (!bd || bd->bind == Bind::kWhole || bd->bind == Bind::kNarrow) return real_view(*d.ref.buf, m);
+  if (!bd || bd->bind == Bind::kWhole || bd->bind == Bind::kNarrow) {
+    at::Tensor v = real_view(*d.ref.buf, m);
+    // Written by the node on the device, then copied into its home in host memory. With its contents:
+    // a def already stored there (then divided by replay's post_div) is read back too.
+    return d.ref.buf->real_on_host ? device_copy(~static_cast<int64_t>(i), v, true, true) : v;
+  }
   return storage_view(slot_storage(bd->slot), m);
 }
 
@@ -290,6 +332,10 @@ at::Tensor Binder::rows_along(const Bound* bd, const at::Tensor& full) const {
 }
 
 void Binder::done(const PlannedNode& pn) {
+  for (const Copy& c : copies_) {
+    if (c.back) copy_to_host(c.home, c.device);
+  }
+  copies_.clear();
   if (stage_.loop) return; // loops publish versions when they end
   const Node& n = *pn.node;
   for (const Def& d : n.defs) d.ref.buf->real_version = d.ref.version;

@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/SmallVector.h>
 
+#include <utility>
 #include <vector>
 
 #include "plan/plan.h"
@@ -33,8 +34,13 @@ class Binder {
     return node_rows_;
   }
 
-  // The real view for node->uses[i] (allocating storage for a buffer first touched here).
+  // The real view for node->uses[i] (allocating storage for a buffer first touched here). A value
+  // held in host memory is copied into a device temporary (its chunk's rows, or whole), once per
+  // node run; one the node writes is copied back when it is done (execute/transfer.h).
   at::Tensor use(const PlannedNode& pn, size_t i);
+  // The view of node->uses[i] in its home (host memory for a value held there): what the undo log
+  // saves and restores.
+  at::Tensor home(const PlannedNode& pn, size_t i);
   // The host constant `c` narrowed to the chunk's rows.
   c10::IValue constant(const PlannedNode& pn, const ConstNarrow& c) const;
   // Binds the kernel's result for node->defs[i]: adopted as the buffer's (or slot's) storage when its
@@ -56,7 +62,13 @@ class Binder {
   // binding of the running node): `full` narrowed along the batch dim. `full` itself in whole
   // stages and for operands bound whole. (A random node's stream: execute/streams.cpp.)
   at::Tensor rows_along(const Bound* bd, const at::Tensor& full) const;
-  // After the node ran: in whole stages, buffers it wrote now hold its versions.
+  // Device bytes of the copies of host-held values made since the last call (lazymem's own
+  // transients, not the kernel's workspace: the executor learns workspace without them).
+  int64_t take_copied_bytes() {
+    return std::exchange(copied_bytes_, 0);
+  }
+  // After the node ran: device copies of host-held values it wrote go back to host memory; in whole
+  // stages, buffers it wrote now hold its versions.
   void done(const PlannedNode& pn);
 
   // Loop stages: adds the slot's partial into its accumulator (the first chunk's partial becomes it).
@@ -76,6 +88,17 @@ class Binder {
     const auto [first, last] = map.local(c0_, c1_);
     return {first, last - first};
   }
+
+  // The device copy of a host-held view for the running node (use i, or def i as ~i): of its
+  // contents when `fill`; copied back at done() when `back`.
+  at::Tensor device_copy(int64_t key, const at::Tensor& home, bool back, bool fill);
+  struct Copy {
+    int64_t key;
+    at::Tensor home, device;
+    bool back;
+  };
+  c10::SmallVector<Copy, 2> copies_; // of the running node
+  int64_t copied_bytes_ = 0;
 
   const Stage& stage_;
   c10::SmallVector<c10::Storage, 16> local_;

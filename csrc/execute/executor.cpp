@@ -19,6 +19,7 @@
 #include "execute/real.h"
 #include "execute/replay.h"
 #include "execute/streams.h"
+#include "plan/timing.h"
 #include "plan/workspace.h"
 
 namespace lazymem {
@@ -40,12 +41,6 @@ void poison_outputs(const Node& n, const std::exception_ptr& p) {
 
 std::string failure_prefix(const Node& n) {
   return "lazymem: " + n.describe() + " failed while materializing: ";
-}
-
-c10::Storage allocate_host(size_t nbytes) {
-  // Host memory is not the device's: allocated outside any counting scope.
-  CountingScope none(nullptr);
-  return c10::Storage(c10::Storage::use_byte_size_t(), nbytes, c10::GetCPUAllocator(), /*resizable=*/false);
 }
 
 std::atomic<uint64_t> g_epochs{0};
@@ -98,11 +93,15 @@ class Walker {
         device_counter().reset_node_peak();
         node_start_ = device_counter().allocated();
       }
+      binder.take_copied_bytes();
+      const auto t0 = std::chrono::steady_clock::now();
       replay(pn, binder, stack_);
+      observe_node_time(workspace_key(pn), std::max<int64_t>(rows, 1),
+                        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
       ++out_.executed;
       stamp_writes(n);
       if (counting_) {
-        learn(pn, rows);
+        learn(pn, rows, binder.take_copied_bytes());
         if (config().debug >= 3) {
           std::fprintf(stderr, "[lazymem]   %s rows %lld: measured %lld, predicted %lld\n", n.name(),
                        static_cast<long long>(rows), static_cast<long long>(device_counter().node_peak()),
@@ -117,7 +116,7 @@ class Walker {
       stack_.clear();
       out_.oom = std::current_exception();
       out_.oom_site = n.describe();
-      if (counting_) out_.oom_learned = learn_from_failure(pn, binder, rows);
+      if (counting_) out_.oom_learned = learn_from_failure(pn, binder, rows, binder.take_copied_bytes());
       return false;
     } catch (const std::exception& e) {
       stack_.clear();
@@ -129,8 +128,10 @@ class Walker {
   }
 
   // The node's transient bytes beyond what it left allocated (its outputs): its workspace.
-  void learn(const PlannedNode& pn, int64_t rows) {
-    int64_t ws = device_counter().node_peak() - device_counter().allocated();
+  // (Not the device copies of host-held values the binder made for it: `copies` bytes, counted by
+  // the memory model on their own.)
+  void learn(const PlannedNode& pn, int64_t rows, int64_t copies) {
+    int64_t ws = device_counter().node_peak() - device_counter().allocated() - copies;
     if (ws > 0 && Workspace::get().observe(workspace_key(pn), &pn.op.schema(), rows, ws)) note_learned(pn, rows, ws, "");
   }
 
@@ -162,14 +163,14 @@ class Walker {
   // new plan of the same program accounts for it. True if that is more than was known. As in
   // learn(), outputs the node does not keep (a chunk's result copied into full storage, or dropped)
   // are part of the workspace: the memory model counts them there.
-  bool learn_from_failure(const PlannedNode& pn, const Binder& binder, int64_t rows) {
+  bool learn_from_failure(const PlannedNode& pn, const Binder& binder, int64_t rows, int64_t copies) {
     int64_t outputs = 0;
     for (size_t i = 0; i < pn.node->defs.size(); ++i) {
       if (pn.defs.empty() || (pn.defs[i].bind != Bind::kDiscard && pn.defs[i].bind != Bind::kNarrow)) {
         outputs += static_cast<int64_t>(binder.def_meta(pn, i).extent_bytes());
       }
     }
-    const int64_t ws = device_counter().node_peak() - node_start_ - outputs;
+    const int64_t ws = device_counter().node_peak() - node_start_ - outputs - copies;
     if (ws <= 0 || !Workspace::get().observe(workspace_key(pn), &pn.op.schema(), rows, ws, Workspace::kBound)) return false;
     note_learned(pn, rows, ws, " at least (the allocation past it was refused)");
     return true;
@@ -416,9 +417,9 @@ class Walker {
   // undo log. False (out of memory recorded) if a host copy cannot be made.
   bool save_rows(const Stage& st, const PlannedNode& pn, Binder& binder) {
     for (size_t k : stored_rows_updated(st, pn)) {
-      at::Tensor view = binder.use(pn, k);
+      at::Tensor view = binder.home(pn, k);
       try {
-        CountingScope host(nullptr); // host memory, not the device's
+        CountingScope host(&host_counter()); // host memory, not the device's
         saved_.push_back(SavedRows{view, view.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true)});
       } catch (const c10::OutOfMemoryError&) {
         out_.oom = std::current_exception();

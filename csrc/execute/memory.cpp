@@ -69,6 +69,11 @@ MemoryCounter& device_counter() {
   return *c;
 }
 
+MemoryCounter& host_counter() {
+  static MemoryCounter* c = new MemoryCounter("host memory");
+  return *c;
+}
+
 MemoryCounter& eager_counter() {
   static MemoryCounter* c = new MemoryCounter("memory_cap (eager CPU)");
   return *c;
@@ -194,6 +199,21 @@ class CountingCPUAllocator final : public c10::Allocator {
 };
 
 CountingCPUAllocator g_counting;
+
+} // namespace
+
+Domain storage_domain(const c10::Storage& s) {
+  if (!s) return Domain::kUnknown;
+  const c10::DataPtr& dp = s.data_ptr();
+  if (dp.get_deleter() != &counted_free || !dp.get()) return s.nbytes() == 0 ? Domain::kUnknown : Domain::kHost;
+  // The storage's data is the block's start (counted blocks are never handed out at an offset).
+  if (dp.get_context() != dp.get()) return Domain::kUnknown;
+  const auto* h = reinterpret_cast<const Header*>(static_cast<const char*>(dp.get()) - kHeader);
+  return h->counter == &device_counter() ? Domain::kDevice : Domain::kHost;
+}
+
+namespace {
+
 std::once_flag g_install_once;
 bool g_installed = false;
 

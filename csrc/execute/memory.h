@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <string>
 
+#include <c10/core/Storage.h>
+
 namespace lazymem {
 
 class MemoryCounter {
@@ -51,6 +53,15 @@ class MemoryCounter {
 
 MemoryCounter& device_counter(); // lazymem's backing device (the simulated GPU)
 MemoryCounter& eager_counter();  // memory_cap() for plain eager code
+// Host memory lazymem holds for the device (values assembled or kept there, random streams, the
+// undo log): uncapped, counted so the two memories are told apart (storage_domain).
+MemoryCounter& host_counter();
+
+// Which memory a storage is in, on the CPU backing (the simulated device): the device's (allocated
+// by the counting allocator charged to the device counter), the host's (anything else: lazymem's
+// host memory, the user's tensors), or unknown (counting is off: the two cannot be told apart).
+enum class Domain : uint8_t { kDevice, kHost, kUnknown };
+Domain storage_domain(const c10::Storage& s);
 
 // While alive, CPU allocations on this thread are charged to `counter` (nullptr: none), and so are
 // allocations made by intra-op worker threads (at::parallel_for) on its behalf: workers inside a

@@ -8,6 +8,9 @@
 #include "core/check.h"
 #include "core/runtime.h"
 #include "device/phantom.h"
+#include "execute/bind.h"
+#include "execute/transfer.h"
+#include <ATen/Context.h>
 
 namespace lazymem {
 namespace {
@@ -28,6 +31,33 @@ c10::Storage allocate_real(size_t nbytes) {
   }
   c10::DeviceGuard guard(dev);
   return c10::Storage(c10::Storage::use_byte_size_t(), nbytes, c10::GetAllocator(dev.type()), /*resizable=*/true);
+}
+
+c10::Storage allocate_host(size_t nbytes) {
+  CountingScope host(&host_counter());
+  c10::Device dev = backing_device();
+  c10::Allocator* alloc = c10::GetCPUAllocator();
+  if (!dev.is_cpu()) {
+    try {
+      alloc = at::globalContext().getPinnedMemoryAllocator(dev.type());
+    } catch (const c10::Error&) {
+      // No pinned allocator for this device type: pageable memory (copies are synchronous).
+    }
+  }
+  return c10::Storage(c10::Storage::use_byte_size_t(), nbytes, alloc, /*resizable=*/false);
+}
+
+void bring_to_device(LazyBuffer& b) {
+  if (!b.has_real() || !b.real_on_host) return;
+  TensorMeta bytes = TensorMeta::contiguous({static_cast<int64_t>(b.real.nbytes())}, c10::kByte);
+  at::Tensor host = real_view(b, bytes);
+  c10::Storage dev = allocate_real(b.real.nbytes());
+  {
+    ReplayScope scope;
+    storage_view(dev, bytes).copy_(host);
+  }
+  count_transfer(static_cast<int64_t>(b.real.nbytes()), true);
+  b.set_real(dev, false);
 }
 
 void ensure_real(LazyBuffer& b, size_t need) {

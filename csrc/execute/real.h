@@ -25,6 +25,13 @@ class ReplayScope {
 
 // Allocates `nbytes` of real storage on the backing device.
 c10::Storage allocate_real(size_t nbytes);
+// Allocates `nbytes` of host memory for the device (a value whose home is the host): counted as
+// host memory (execute/memory.h, storage_domain); pinned when the backing device has a pinned
+// allocator, so copies to and from it can run asynchronously.
+c10::Storage allocate_host(size_t nbytes);
+// A value held in host memory comes home to the device (an op that runs eagerly on it): copied over
+// (counted) into device storage. Nothing if it is on the device.
+void bring_to_device(LazyBuffer& b);
 // Makes sure `b` has real storage covering `need` bytes: allocates (uninitialized, as eager empty
 // does) if it has none, grows it keeping the old bytes if it is too small.
 void ensure_real(LazyBuffer& b, size_t need);

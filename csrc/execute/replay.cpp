@@ -13,6 +13,7 @@
 #include "device/generator.h"
 #include "execute/real.h"
 #include "execute/streams.h"
+#include "execute/transfer.h"
 
 namespace lazymem {
 namespace {
@@ -169,7 +170,10 @@ void replay_row_keyed(const PlannedNode& pn, Binder& binder, torch::jit::Stack& 
   const int64_t s0 = loop ? binder.chunk_start() : 0;
   const int64_t rows = loop ? binder.chunk_rows() : rk.rows;
   std::vector<at::Tensor> uv(n.uses.size()), dv(n.defs.size());
-  for (size_t k = 0; k < n.uses.size(); ++k) uv[k] = binder.use(pn, k);
+  for (size_t k = 0; k < n.uses.size(); ++k) {
+    uv[k] = binder.use(pn, k);
+    if (boundary_checked()) check_on_device(uv[k], n, "operand", k);
+  }
   for (size_t j = 0; j < n.defs.size(); ++j) dv[j] = binder.bound_def(pn, j);
   const int64_t G = rk.block;
   for (int64_t b = s0 / G; b * G < s0 + rows; ++b) {
@@ -256,11 +260,20 @@ void replay(const PlannedNode& pn, Binder& binder, torch::jit::Stack& stack) {
   for (const ConstNarrow& c : pn.consts) place(stack, c.arg, c.elem, binder.constant(pn, c));
   for (const ArgRewrite& rw : pn.rewrites) place(stack, rw.arg, rw.elem, c10::IValue(rewritten(rw, binder)));
   c10::SmallVector<const c10::StorageImpl*, 8> taken;
+  const bool check = boundary_checked();
   for (size_t i = 0; i < n.uses.size(); ++i) {
     const Use& u = n.uses[i];
-    at::Tensor v = binder.use(pn, i);
+    // An upload is the copy from host memory itself: into its destination's home, wherever that is.
+    const bool upload_dst = n.upload && u.write;
+    at::Tensor v = upload_dst ? binder.home(pn, i) : binder.use(pn, i);
+    if (check && !upload_dst) check_on_device(v, n, "operand", i);
     taken.push_back(v.storage().unsafeGetStorageImpl());
     place(stack, u.arg, u.elem, c10::IValue(std::move(v)));
+  }
+  if (n.upload && n.uses.size() == 1 && !n.uses[0].ref.buf->real_on_host) {
+    // Host to device: counted (the snapshot's bytes this chunk copies).
+    const c10::IValue& src = stack.at(1);
+    if (src.isTensor()) count_transfer(static_cast<int64_t>(src.toTensor().numel() * src.toTensor().element_size()), true);
   }
   if (reseeded) {
     redispatch_with(pn.op, stack, n.device_args, n.generator_arg, *reseeded, n.grad_mode);

@@ -22,6 +22,7 @@
 #include "device/generator.h"
 #include "execute/memory.h"
 #include "execute/replay.h"
+#include "execute/transfer.h"
 
 namespace lazymem {
 namespace {
@@ -156,9 +157,13 @@ void take_draws(Node& m, const Node& before) {
 
 // A chunk's rows of the stream on the device, in `dtype`: what the form's element-wise ops read.
 at::Tensor on_device(const at::Tensor& rows, c10::ScalarType dtype) {
-  at::Tensor t = at::empty(rows.sizes(), on_backing(dtype));
-  t.copy_(rows);
-  return t;
+  return copy_to_device(rows, dtype);
+}
+
+// out = the chunk's rows of the stream (host memory): copied over.
+void copy_rows_in(const at::Tensor& out, const at::Tensor& rows) {
+  out.copy_(rows);
+  count_transfer(static_cast<int64_t>(rows.numel() * rows.element_size()), true);
 }
 
 } // namespace
@@ -200,11 +205,12 @@ void generate_stream(Node& n) {
   at::Generator g = static_cast<LazyGenerator*>(n.generator.get())->backing();
   at::Tensor values;
   if (backing_device().is_cpu()) {
-    CountingScope host(nullptr); // host memory, not the device's
+    CountingScope host(&host_counter()); // host memory, not the device's
     values = draw(n, g);
   } else {
     // Drawn on the device (eager's kernel), kept in host memory.
     values = draw(n, g).to(at::kCPU);
+    count_transfer(static_cast<int64_t>(values.nbytes()), false);
   }
   auto s = std::make_shared<Node::Stream>();
   s->values = values;
@@ -231,7 +237,7 @@ void replay_from_stream(const PlannedNode& pn, Binder& binder) {
   const Bound* ob = w >= 0 ? use_bound(w) : def_bound(0);
   switch (n.rng_form) {
     case RngForm::kFill:
-      if (out.defined()) out.copy_(binder.rows_along(ob, s));
+      if (out.defined()) copy_rows_in(out, binder.rows_along(ob, s));
       break;
     case RngForm::kBernoulliP: {
       if (!out.defined()) break;
@@ -241,17 +247,17 @@ void replay_from_stream(const PlannedNode& pn, Binder& binder) {
     }
     case RngForm::kNormalTF:
       if (!out.defined()) break;
-      out.copy_(binder.rows_along(ob, s));
+      copy_rows_in(out, binder.rows_along(ob, s));
       out.add_(binder.use(pn, use_at(n, 0)));
       break;
     case RngForm::kNormalFT:
       if (!out.defined()) break;
-      out.copy_(binder.rows_along(ob, s));
+      copy_rows_in(out, binder.rows_along(ob, s));
       out.mul_(binder.use(pn, use_at(n, 1))).add_(at::full({}, n.args.at(0).toDouble(), out.options()));
       break;
     case RngForm::kNormalTT:
       if (!out.defined()) break;
-      out.copy_(binder.rows_along(ob, s));
+      copy_rows_in(out, binder.rows_along(ob, s));
       out.mul_(binder.use(pn, use_at(n, 1))).add_(binder.use(pn, use_at(n, 0)));
       break;
     case RngForm::kDropout: { // output = input * mask * scale, mask as bool

@@ -108,13 +108,36 @@ class Simulator {
     model_.points.push_back(MemPoint{stage, loop, a.bytes, loop ? a.per_row : 0, n});
   }
 
+  // Whether `b` is held in host memory at this point of the plan: from an earlier plan (and not
+  // released since), or assembled there by a loop of this one. A kernel reads its device copy.
+  bool on_host(const LazyBuffer* b) const {
+    if (std::find(host_.begin(), host_.end(), b) != host_.end()) return true;
+    return b->has_real() && b->real_on_host && b->plan_stamp != stamp_;
+  }
+  // A use of a host-held value that crosses to the device (an upload writes its home directly).
+  bool copied_in(const Node& n, const Use& u) const {
+    return on_host(u.ref.buf.get()) && !(n.upload && u.write);
+  }
+
   void whole(const Stage& st, int32_t s) {
     for (const PlannedNode& pn : st.nodes) {
       const Node& n = *pn.node;
-      Affine out;
-      for (const Def& d : n.defs) out.bytes += touch(d.ref.buf.get(), 0);
-      for (const Use& u : n.uses) out.bytes += touch(u.ref.buf.get(), u.ref.meta.extent_bytes());
-      point(s, false, cur_ + out + workspace(pn, false), &n);
+      Affine out, copies;
+      for (const Def& d : n.defs) {
+        if (on_host(d.ref.buf.get())) {
+          copies.bytes += static_cast<int64_t>(d.ref.meta.extent_bytes()); // written on the device, then copied home
+        } else {
+          out.bytes += touch(d.ref.buf.get(), 0);
+        }
+      }
+      for (const Use& u : n.uses) {
+        if (copied_in(n, u)) {
+          copies.bytes += static_cast<int64_t>(u.ref.meta.extent_bytes()); // its device copy, for this node
+        } else if (!on_host(u.ref.buf.get())) {
+          out.bytes += touch(u.ref.buf.get(), u.ref.meta.extent_bytes());
+        }
+      }
+      point(s, false, cur_ + out + copies + workspace(pn, false), &n);
       cur_ += out;
       for (LazyBuffer* b : st.released_after(pn)) release(b);
     }
@@ -122,7 +145,11 @@ class Simulator {
 
   void loop(const Stage& st, int32_t s) {
     for (const FullStore& f : st.stores) {
-      if (!f.host) cur_.bytes += touch(f.buf, 0);
+      if (!f.host) {
+        cur_.bytes += touch(f.buf, 0);
+      } else {
+        host_.push_back(f.buf);
+      }
     }
     std::vector<char> adopted(st.slots.size(), 0); // partials that became accumulators
     auto slot_bytes = [&](int32_t i) {
@@ -135,7 +162,7 @@ class Simulator {
       std::vector<char> live(st.slots.size(), 0);
       for (const PlannedNode& pn : st.nodes) {
         const Node& n = *pn.node;
-        Affine out, transient;
+        Affine out, transient, copies;
         for (size_t i = 0; i < n.uses.size(); ++i) {
           const Bound& bd = pn.uses[i];
           if (bd.bind == Bind::kLocal || bd.bind == Bind::kPartial) {
@@ -144,9 +171,14 @@ class Simulator {
               live[bd.slot] = 1;
             }
           } else if (bd.bind == Bind::kWhole) {
-            out.bytes += touch(n.uses[i].ref.buf.get(), n.uses[i].ref.meta.extent_bytes());
-          } else if (bd.bind == Bind::kNarrow && bd.outer != 1) {
-            transient.per_row += bytes_per_row(n.uses[i].ref.meta, bd, st.batch); // a gathered copy
+            if (copied_in(n, n.uses[i])) {
+              copies.bytes += static_cast<int64_t>(n.uses[i].ref.meta.extent_bytes()); // its device copy
+            } else if (!on_host(n.uses[i].ref.buf.get())) {
+              out.bytes += touch(n.uses[i].ref.buf.get(), n.uses[i].ref.meta.extent_bytes());
+            }
+          } else if (bd.bind == Bind::kNarrow && (bd.outer != 1 || copied_in(n, n.uses[i]))) {
+            // A gathered copy, or the chunk's rows of a host-held value copied to the device.
+            copies.per_row += bytes_per_row(n.uses[i].ref.meta, bd, st.batch);
           }
         }
         for (size_t i = 0; i < n.defs.size(); ++i) {
@@ -178,7 +210,7 @@ class Simulator {
         Affine w = workspace(pn, true);
         w.bytes = std::max(w.bytes, transient.bytes);
         w.per_row = std::max(w.per_row, transient.per_row);
-        point(s, true, cur_ + out + w, &n);
+        point(s, true, cur_ + out + copies + w, &n);
         cur_ += out;
         for (int32_t slot : pn.accumulate) {
           if (pass == 0 && !adopted[slot]) {
@@ -203,6 +235,7 @@ class Simulator {
 
   const Plan& plan_;
   const Workspace* ws_ = nullptr;
+  std::vector<const LazyBuffer*> host_; // assembled in host memory by this plan's loops
   uint64_t stamp_ = 0;
   Affine cur_;
   MemoryModel model_;

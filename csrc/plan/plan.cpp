@@ -72,6 +72,68 @@ std::string node_line(const PlannedNode& pn) {
 
 } // namespace
 
+double predicted_link_seconds(int64_t bytes) {
+  double bw = config().link_bandwidth.load(std::memory_order_relaxed);
+  if (bw <= 0) bw = 25e9;
+  return static_cast<double>(bytes) / bw;
+}
+
+std::vector<StageTransfers> plan_transfers(const Plan& plan) {
+  std::vector<const LazyBuffer*> host;
+  auto on_host = [&](const LazyBuffer* b) {
+    return std::find(host.begin(), host.end(), b) != host.end() || (b->has_real() && b->real_on_host);
+  };
+  std::vector<StageTransfers> out(plan.stages.size());
+  for (size_t s = 0; s < plan.stages.size(); ++s) {
+    const Stage& st = plan.stages[s];
+    StageTransfers& t = out[s];
+    for (const FullStore& f : st.stores) {
+      if (f.host) host.push_back(f.buf);
+    }
+    const int64_t runs = st.loop ? st.chunks() : 1;
+    auto note = [&](const LazyBuffer* b, int64_t bytes) {
+      for (auto& [v, n] : t.values) {
+        if (v == b) {
+          n += bytes;
+          return;
+        }
+      }
+      t.values.emplace_back(b, bytes);
+    };
+    for (const PlannedNode& pn : st.nodes) {
+      const Node& n = *pn.node;
+      for (size_t i = 0; i < n.uses.size(); ++i) {
+        const Use& u = n.uses[i];
+        const bool whole = pn.uses.empty() || pn.uses[i].bind == Bind::kWhole;
+        const int64_t view = static_cast<int64_t>(u.ref.meta.numel() * c10::elementSize(u.ref.meta.dtype));
+        if (n.upload && u.write) {
+          if (!on_host(u.ref.buf.get())) {
+            t.h2d += view; // the snapshot's bytes, whole or row by row
+            t.copies += st.loop && !whole ? runs : 1;
+          }
+          continue;
+        }
+        if (!on_host(u.ref.buf.get())) continue;
+        // Rows of the chunk (the view's bytes over the pass), or the whole view per chunk.
+        const int64_t in = whole ? view * runs : view, copies = st.loop ? runs : 1;
+        if (!u.write_only) t.h2d += in;
+        if (u.write) t.d2h += in;
+        t.copies += copies * ((u.write_only ? 0 : 1) + (u.write ? 1 : 0));
+        note(u.ref.buf.get(), in);
+      }
+      for (size_t j = 0; j < n.defs.size(); ++j) {
+        const Def& d = n.defs[j];
+        if (!on_host(d.ref.buf.get()) || (!pn.defs.empty() && pn.defs[j].bind == Bind::kDiscard)) continue;
+        const int64_t bytes = static_cast<int64_t>(d.ref.meta.numel() * c10::elementSize(d.ref.meta.dtype));
+        t.d2h += bytes;
+        t.copies += st.loop ? runs : 1;
+        note(d.ref.buf.get(), bytes);
+      }
+    }
+  }
+  return out;
+}
+
 std::string Plan::to_string(bool nodes) const {
   std::ostringstream os;
   os << (split ? "split" : "unsplit") << " plan: " << executed_nodes << " nodes run, " << eliminated
@@ -88,10 +150,36 @@ std::string Plan::to_string(bool nodes) const {
     os << "  " << facts.size() << (facts.size() == 1 ? " value keeps its" : " values keep their") << " batch for later plans ("
        << format_bytes(bytes) << "), read chunk by chunk\n";
   }
+  const std::vector<StageTransfers> transfers = plan_transfers(*this);
+  {
+    int64_t h2d = 0, d2h = 0;
+    for (const StageTransfers& t : transfers) {
+      h2d += t.h2d;
+      d2h += t.d2h;
+    }
+    if (h2d + d2h > 0) {
+      const double bw = config().link_bandwidth.load(std::memory_order_relaxed);
+      os << "  transfers: " << format_bytes(h2d) << " host to device, " << format_bytes(d2h)
+         << " device to host; predicted link time " << format_seconds(predicted_link_seconds(h2d) + predicted_link_seconds(d2h))
+         << (bw > 0 ? " (the modeled link, " : " (assuming ") << (bw > 0 ? bw : 25e9) / 1e9 << " GB/s each way)\n";
+    }
+  }
   for (size_t i = 0; i < stages.size(); ++i) {
     const Stage& st = stages[i];
+    auto show_transfers = [&] {
+      const StageTransfers& t = transfers[i];
+      if (t.h2d + t.d2h == 0) return;
+      os << "    transfers: " << format_bytes(t.h2d) << " in, " << format_bytes(t.d2h) << " out in " << t.copies
+         << (t.copies == 1 ? " copy" : " copies") << ", predicted "
+         << format_seconds(predicted_link_seconds(t.h2d) + predicted_link_seconds(t.d2h));
+      for (size_t k = 0; k < t.values.size(); ++k) {
+        os << (k ? "," : ";") << " b" << t.values[k].first->id << " " << format_bytes(t.values[k].second);
+      }
+      os << "\n";
+    };
     if (!st.loop) {
       os << "  stage " << i << ": " << st.nodes.size() << " nodes run once\n";
+      show_transfers();
     } else {
       os << "  stage " << i << ": pass over " << st.batch << " rows";
       if (st.batch_id != 0) os << " of batch " << st.batch_id;
@@ -135,6 +223,7 @@ std::string Plan::to_string(bool nodes) const {
         if (a.finalize == Finalize::kDivOutput) os << ", then divided by b" << a.divide_by->id;
         os << "\n";
       }
+      show_transfers();
       for (const FullStore& f : st.stores) {
         os << "    b" << f.buf->id << " batch-sharded, assembled whole in " << (f.host ? "host memory" : "device memory")
            << ": " << format_bytes(static_cast<int64_t>(f.buf->nbytes.load())) << "\n";

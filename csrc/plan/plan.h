@@ -206,9 +206,28 @@ struct Plan {
   // one row per chunk (the model may overestimate a kernel's workspace; if one row runs out of
   // memory too, the error is raised without planning again).
   bool last_resort = false;
+  // It recomputes values crossing passes by default, without the measured times to price holding
+  // them in host memory instead (PlanInput::Recompute::kPriced): not kept for reuse once it has run,
+  // so the next plan of the program is priced.
+  bool unpriced = false;
   // Text form: what splits and why, passes, chunks, where each batch-sharded value lives, partials
   // and their finishes; with `nodes`, every node with its bindings.
   std::string to_string(bool nodes = false) const;
 };
+
+// The copies across the host/device boundary one stage makes (execute/transfer.h): host-held values
+// its kernels read (their chunks' rows, or whole per node run) and write back, uploads into device
+// memory, results it assembles in host memory.
+struct StageTransfers {
+  int64_t h2d = 0, d2h = 0;       // bytes each way over the whole stage (every chunk)
+  int64_t copies = 0;             // copies made
+  std::vector<std::pair<const LazyBuffer*, int64_t>> values; // host-held values crossing, with their bytes
+};
+// Per stage, in order. Buffers held in host memory before the plan, or assembled there by its loops,
+// count as host-held from then on.
+std::vector<StageTransfers> plan_transfers(const Plan& plan);
+// Seconds `bytes` take at the modeled link's (or, off the simulated device, an assumed 25 GB/s)
+// bandwidth.
+double predicted_link_seconds(int64_t bytes);
 
 } // namespace lazymem

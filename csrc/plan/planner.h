@@ -27,8 +27,10 @@ struct PlanInput {
   bool cpu_backing = true;
   // Batch-sharded values crossing passes: stored (device, else host memory) or recomputed chunk by
   // chunk where they are read. kWhenTooBig recomputes those the device cannot hold, kAlways every
-  // one that can be (testing).
-  enum class Recompute : uint8_t { kNever, kWhenTooBig, kAlways } recompute = Recompute::kWhenTooBig;
+  // one that can be (testing); kPriced recomputes those the device cannot hold unless holding them
+  // in host memory costs less: the recomputing nodes' measured time against the copies' modeled time
+  // (plan/timing.h); until the nodes have run once, as kWhenTooBig (the plan says it is unpriced).
+  enum class Recompute : uint8_t { kNever, kWhenTooBig, kAlways, kPriced } recompute = Recompute::kWhenTooBig;
 };
 
 Plan make_plan(const PlanInput& in);

@@ -386,6 +386,18 @@ void plan_learned_chunk(uint64_t template_id, size_t stage, int64_t chunk) {
   }
 }
 
+void forget_plan(uint64_t template_id) {
+  if (template_id == 0) return;
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mu);
+  for (auto it = c.entries.begin(); it != c.entries.end(); ++it) {
+    if (it->id == template_id) {
+      c.entries.erase(it);
+      return;
+    }
+  }
+}
+
 void clear_plan_cache() {
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mu);

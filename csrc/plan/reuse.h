@@ -42,6 +42,8 @@ void remember_plan(const PlanInput& in, Fingerprint&& fp, Plan& plan);
 // A loop of the plan behind `template_id` ran out of memory and finished with smaller chunks: the
 // next instantiation uses `chunk` rows for `stage`.
 void plan_learned_chunk(uint64_t template_id, size_t stage, int64_t chunk);
+// Drops the cached plan behind `template_id` (one made without what its run measured).
+void forget_plan(uint64_t template_id);
 // Hands back a plan that has run (its synthesized nodes that the program did not take are no longer
 // referenced): the next instantiation of its entry patches it and them in place instead of copying
 // the stored plan and rebuilding the nodes.

@@ -3,11 +3,16 @@
 #include "plan/split.h"
 
 #include <algorithm>
+#include <optional>
+#include <sstream>
 #include <unordered_map>
 #include <unordered_set>
 
+#include "core/config.h"
 #include "plan/probe.h"
 #include "plan/split_builder.h"
+#include "plan/timing.h"
+#include "plan/workspace.h"
 
 namespace lazymem {
 
@@ -60,11 +65,27 @@ bool SplitBuilder::build() {
     }
     const ChunkChoice c = choose_chunks(plan_, in_.budget, in_.force_chunks, a_.notes,
                                         [&](const FullStore& f) { return relieve(f); });
-    if (c == ChunkChoice::kFits) break;
+    if (c == ChunkChoice::kFits) {
+      if (!price_recompute()) break;
+      reset_emission();
+      continue;
+    }
+    if (c == ChunkChoice::kNoFit && prefer_host_) {
+      // Held in host memory they do not fit after all (their rows' device copies): recomputed.
+      prefer_host_ = false;
+      recompute_ = saved_recompute_;
+      refused_ = saved_refused_;
+      host_ = saved_host_;
+      price_note_ += "; held in host memory they do not fit the budget: recomputed";
+      update_full();
+      reset_emission();
+      continue;
+    }
     if (c == ChunkChoice::kNoFit) return refuse();
     reset_emission();
   }
   note_split(plan_, a_);
+  if (!price_note_.empty()) plan_.notes.push_back(price_note_);
   return true;
 }
 
@@ -349,9 +370,76 @@ bool SplitBuilder::try_recompute(int32_t b) {
   return false;
 }
 
+bool SplitBuilder::price_recompute() {
+  if (in_.recompute != PlanInput::Recompute::kPriced || priced_) return false;
+  priced_ = true;
+  // What recomputing costs: each node run again, for every row of its loop, at its measured time.
+  double recompute_s = 0;
+  bool known = true;
+  int64_t nodes = 0;
+  for (const Stage& st : plan_.stages) {
+    if (!st.loop) continue;
+    for (const PlannedNode& pn : st.nodes) {
+      if (!pn.recompute) continue;
+      ++nodes;
+      const std::optional<double> ns = node_ns_per_row(workspace_key(pn));
+      if (!ns) {
+        known = false;
+        break;
+      }
+      recompute_s += *ns * 1e-9 * static_cast<double>(st.batch);
+    }
+  }
+  if (nodes == 0) return false;
+  if (!known) {
+    plan_.unpriced = true;
+    return false;
+  }
+  // What holding them in host memory costs: written out once, read back by every pass that reads them.
+  double host_s = 0;
+  int64_t bytes = 0;
+  std::vector<std::pair<const LazyBuffer*, int64_t>> reads;
+  for (const Stage& st : plan_.stages) {
+    for (const LazyBuffer* b : st.recomputed) {
+      auto it = std::find_if(reads.begin(), reads.end(), [&](const auto& r) { return r.first == b; });
+      if (it == reads.end()) {
+        reads.emplace_back(b, 1);
+      } else {
+        ++it->second;
+      }
+    }
+  }
+  for (const auto& [b, n] : reads) {
+    const int64_t nb = static_cast<int64_t>(b->nbytes.load());
+    host_s += predicted_copy_seconds(nb) * static_cast<double>(1 + n);
+    bytes += nb * (1 + n);
+  }
+  const bool host = host_s < recompute_s;
+  std::ostringstream os;
+  os.precision(3);
+  os << (host ? "holding " : "recomputing ") << reads.size() << (reads.size() == 1 ? " value" : " values")
+     << " crossing passes " << (host ? "in host memory" : "chunk by chunk") << ": recomputing runs " << nodes
+     << " nodes again (" << format_seconds(recompute_s) << " measured), host memory copies "
+     << format_bytes(bytes) << " (" << format_seconds(host_s) << " predicted)";
+  price_note_ = os.str();
+  if (!host) return false;
+  saved_recompute_ = recompute_;
+  saved_refused_ = refused_;
+  saved_host_ = host_;
+  prefer_host_ = true;
+  for (size_t b = 0; b < recompute_.size(); ++b) {
+    if (recompute_[b]) {
+      recompute_[b] = 0;
+      refused_[b] = 1;
+    }
+  }
+  update_full();
+  return true;
+}
+
 Relief SplitBuilder::relieve(const FullStore& f) {
   const int32_t b = a_.index.at(f.buf);
-  if (in_.recompute != PlanInput::Recompute::kNever && recompute_candidate(b) && try_recompute(b)) {
+  if (in_.recompute != PlanInput::Recompute::kNever && !prefer_host_ && recompute_candidate(b) && try_recompute(b)) {
     return Relief::kRecompute;
   }
   host_[b] = 1;

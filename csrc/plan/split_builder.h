@@ -93,6 +93,10 @@ class SplitBuilder {
   bool try_recompute(int32_t b);
   // choose_chunks: the largest store on the device does not fit.
   Relief relieve(const FullStore& f);
+  // kPriced: with the loops sized, whether holding the recomputed values in host memory instead is
+  // cheaper (measured node times against modeled copies; a note says which and why). True: the
+  // plan is to be emitted again with them held there.
+  bool price_recompute();
   void reset_emission();
 
   // ---- emission (split_emit.cpp) ----
@@ -142,6 +146,10 @@ class SplitBuilder {
   std::vector<char> other_, cross_, recompute_, refused_;
   std::vector<std::vector<std::pair<int32_t, uint32_t>>> writes_;
   std::vector<int32_t> blamed_;
+  bool priced_ = false;      // price_recompute() has decided
+  std::string price_note_;   // and why
+  bool prefer_host_ = false; // it chose host memory: relieve() recomputes nothing
+  std::vector<char> saved_recompute_, saved_refused_, saved_host_; // the decisions before it did
   bool copying_ = false; // planned_loop_node binds a node run again (recompute)
   std::vector<uint64_t> pins_;
   std::unordered_set<const Node*> unnarrowable_;

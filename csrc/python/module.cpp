@@ -18,6 +18,8 @@
 #include "device/generator.h"
 #include "device/phantom.h"
 #include "execute/memory.h"
+#include "execute/transfer.h"
+#include "plan/timing.h"
 #include "ir/program.h"
 #include "plan/reuse.h"
 #include "plan/workspace.h"
@@ -175,6 +177,11 @@ PYBIND11_MODULE(_C, m) {
     device_counter().set_capacity(bytes);
   });
   m.def("_counting_active", counting_cpu_allocator_active);
+  m.def("_link_bandwidth", link_bandwidth);
+  m.def("_clear_node_times", clear_node_times);
+  m.def("_set_link_bandwidth", set_link_bandwidth);
+  m.def("_host_memory_allocated", [] { return host_counter().allocated(); });
+  m.def("_max_host_memory_allocated", [] { return host_counter().peak(); });
   m.def("_eager_cap_push", [](int64_t bytes) {
     LAZYMEM_CHECK(install_counting_cpu_allocator(), "memory_cap needs lazymem's counting CPU allocator, but ",
                   "another CPU allocator with a higher priority is installed");
@@ -218,7 +225,7 @@ PYBIND11_MODULE(_C, m) {
     if (!on) clear_plan_cache();
   });
   m.def("_plan_cache", [] { return config().plan_cache.load(); });
-  m.def("_set_recompute", [](bool on) { config().recompute = on; });
+  m.def("_set_recompute", [](int v) { config().recompute = v < 0 ? -1 : (v ? 1 : 0); });
   m.def("_recompute", [] { return config().recompute.load(); });
   m.def("_set_force_recompute", [](bool on) { config().force_recompute = on; });
   m.def("_force_recompute", [] { return config().force_recompute.load(); });

@@ -211,6 +211,7 @@ void run_eager(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
   auto lock = lock_flush();
   for (auto& a : args) {
+    bring_to_device(*buffer_of(a.lazy)); // a kernel reads device memory only
     a.real = real_view_of(a.lazy);
     c10::IValue& slot = (*stack)[first + a.arg];
     if (a.elem < 0) {

@@ -187,8 +187,10 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   in.budget = memory_budget();
   in.force_chunks = config().force_chunks.load(std::memory_order_relaxed);
   in.cpu_backing = backing_device().is_cpu();
-  in.recompute = !config().recompute.load(std::memory_order_relaxed)      ? PlanInput::Recompute::kNever
+  const int recompute = config().recompute.load(std::memory_order_relaxed);
+  in.recompute = recompute == 0                                              ? PlanInput::Recompute::kNever
                  : config().force_recompute.load(std::memory_order_relaxed) ? PlanInput::Recompute::kAlways
+                 : recompute < 0                                            ? PlanInput::Recompute::kPriced
                                                                             : PlanInput::Recompute::kWhenTooBig;
   const auto t0 = std::chrono::steady_clock::now();
   Plan plan = make_plan(in);
@@ -210,6 +212,8 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   ExecOutcome out = execute(plan, random_nodes);
   // A loop that ran out of memory finished with smaller chunks: so does the plan next time.
   for (auto [stage, chunk] : out.smaller_chunks) plan_learned_chunk(plan.template_id, stage, chunk);
+  // Its nodes' times are measured now: the next plan of the program prices recomputing.
+  if (plan.unpriced) forget_plan(plan.template_id);
   record_stats(plan, out);
   stats().oom_retries.fetch_add(out.chunk_retries, std::memory_order_relaxed);
   // Out of memory because a kernel needed more workspace than known: a new plan knows it now. From

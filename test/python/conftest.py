@@ -7,6 +7,8 @@ import os
 # Every plan checks that the program's tape, kept as nodes are recorded, equals one built from the
 # nodes (csrc/ir/tape.h): a stale tape would hand out another program's plan.
 os.environ.setdefault("LAZYMEM_CHECK_TAPE", "1")
+# Kernels are handed device memory only (DESIGN.md §3, execute/transfer.h): checked in every test.
+os.environ.setdefault("LAZYMEM_CHECK_BOUNDARY", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from splitting import B, batch_of, ce, sgd_step_where_eager_runs_out, train_split
+from splitting import B, assert_state_close, batch_of, ce, sgd_step_where_eager_runs_out, train_split
 from test_split_cross_batch import CASES as CROSS_BATCH
 from test_split_models import BatchNormResNet
 
@@ -31,6 +32,7 @@ from torch_lazymem.testing import (
     force_recompute,
     injected_failures,
     memory_cap,
+    simulated_device,
 )
 
 
@@ -140,7 +142,7 @@ class WideBNNet(nn.Module):
 
 
 @contextlib.contextmanager
-def recompute_set_to(value: bool):
+def recompute_set_to(value: bool | None):
     previous = torch_lazymem.recompute()
     torch_lazymem.set_recompute(value)
     try:
@@ -239,3 +241,55 @@ def test_dropout_free_transformer_block_unchanged_by_force_recompute():
     torch.testing.assert_close(y, layer(x))
     assert torch_lazymem.stats()["values_recomputed"] == 0
     _ = F  # (F used by the shared helpers' models)
+
+
+NOTE = re.compile(
+    r"(holding|recomputing) (\d+) values? crossing passes (?:in host memory|chunk by chunk): recomputing runs (\d+) "
+    r"nodes again \(([\d.]+) (us|ms|s) measured\), host memory copies .* \(([\d.]+) (us|ms|s) predicted\)")
+
+
+def seconds(value: str, unit: str) -> float:
+    return float(value) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[unit]
+
+
+@pytest.mark.parametrize("link", ["1MB/s", "25GB/s"])
+def test_the_default_prices_recomputing_against_host_memory(link):
+    """set_recompute(None), the default: the first step recomputes (nothing measured yet) and its plan is
+    not kept; the next step's plan prices both ways — the recomputing nodes' measured time against the
+    copies' time over the link — and takes the cheaper, saying so in explain(). Over a 1 MB/s link,
+    copying MiBs costs seconds: recomputing wins. Either way, eager's state after every step."""
+    assert torch_lazymem.recompute() is None
+    torch_lazymem._C._clear_node_times()  # as in a fresh process: no node has run yet
+    torch.manual_seed(0)
+    model = WideBNNet().double()
+    batches = [(torch.randn(64, 3, 16, 16, dtype=torch.float64), torch.randint(0, 10, (64,))) for _ in range(3)]
+    ref = copy.deepcopy(model)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+    with simulated_device("3MiB", link=link):
+        lazy = copy.deepcopy(model).to("lazymem")
+        opt = torch.optim.SGD(lazy.parameters(), lr=0.1)
+        notes = []
+        for x, t in batches:
+            torch_lazymem.reset_stats()
+            loss = F.cross_entropy(lazy(x.to("lazymem")), t.to("lazymem"))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            loss.item()
+            notes.append(NOTE.search(torch_lazymem.explain(print_it=False)))
+            s = torch_lazymem.stats()
+            F.cross_entropy(ref(x), t).backward()
+            opt_r.step()
+            opt_r.zero_grad()
+            assert_state_close(ref, lazy)
+    assert notes[0] is None, notes[0][0]  # unpriced: nothing measured before the first step
+    priced = notes[1]
+    assert priced is not None
+    recompute_s, host_s = seconds(priced[4], priced[5]), seconds(priced[6], priced[7])
+    assert priced[1] == ("holding" if host_s < recompute_s else "recomputing"), priced[0]
+    if link == "1MB/s":
+        assert priced[1] == "recomputing" and s["values_recomputed"] > 0, priced[0]
+        assert s["values_in_host_memory"] == 0 and s["d2h_bytes"] == 0, s
+    # The last step reuses the priced plan, or prices again; its values are where the note says.
+    if priced[1] == "holding":
+        assert s["values_in_host_memory"] > 0, s

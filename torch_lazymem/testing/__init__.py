@@ -2,7 +2,10 @@
 
 ``simulated_device(capacity)`` makes lazymem's backing device a CPU "device" of that capacity: every
 byte lazymem would hold on a GPU (uploaded inputs and parameters, intermediates, results) is counted
-and an allocation past the capacity raises ``torch.OutOfMemoryError``, as CUDA does.
+and an allocation past the capacity raises ``torch.OutOfMemoryError``, as CUDA does. Host memory is
+a second memory: a value held there reaches a kernel only through a counted copy into the device,
+and the copies take the time of a modeled link (``link``, default 25 GB/s each way); a kernel handed
+host memory is an internal error.
 ``memory_cap(capacity)`` counts the plain eager CPU allocations made on the current thread the same way.
 """
 
@@ -30,18 +33,41 @@ def parse_bytes(capacity: Capacity) -> int:
     raise TypeError(f"lazymem: capacity must be a number of bytes or a string such as '256MiB', got {capacity!r}")
 
 
+def parse_bandwidth(link: Union[int, float, str, None]) -> float:
+    """Bytes per second from ``25e9``, ``"25GB/s"`` or ``"12GiB/s"``; ``None`` or 0: not modeled."""
+    if link is None:
+        return 0.0
+    if isinstance(link, bool):
+        raise TypeError(f"lazymem: link must be bytes per second or a string such as '25GB/s', got {link!r}")
+    if isinstance(link, (int, float)):
+        if link < 0:
+            raise ValueError(f"lazymem: link bandwidth must be non-negative, got {link}")
+        return float(link)
+    if isinstance(link, str):
+        text = link.strip()
+        if not text.endswith("/s"):
+            raise ValueError(f"lazymem: link bandwidth must be given per second, such as '25GB/s', got {link!r}")
+        return float(_C._parse_bytes(text[:-2].strip()))
+    raise TypeError(f"lazymem: link must be bytes per second or a string such as '25GB/s', got {link!r}")
+
+
 @contextlib.contextmanager
-def simulated_device(capacity: Capacity) -> Iterator[None]:
-    """Runs lazymem on a CPU device of ``capacity`` bytes (e.g. ``"256MiB"``)."""
+def simulated_device(capacity: Capacity, link: Union[int, float, str, None] = "25GB/s") -> Iterator[None]:
+    """Runs lazymem on a CPU device of ``capacity`` bytes (e.g. ``"256MiB"``), with host memory
+    across a link of ``link`` bandwidth each way (``None``: copies take only their memcpy)."""
     cap = parse_bytes(capacity)
+    bandwidth = parse_bandwidth(link)
     previous_device = str(backing_device())
     previous_cap = int(_C._device_capacity())
+    previous_link = float(_C._link_bandwidth())
     if previous_device != "cpu":
         set_backing_device("cpu")
     _C._set_device_capacity(cap)
+    _C._set_link_bandwidth(bandwidth)
     try:
         yield
     finally:
+        _C._set_link_bandwidth(previous_link)
         _C._set_device_capacity(previous_cap)
         if previous_device != "cpu":
             with contextlib.suppress(RuntimeError):

@@ -64,3 +64,32 @@ TEST(Counting, HostThatCannotAllocateRaisesOutOfMemoryNotRuntimeError) {
 
 } // namespace
 } // namespace lazymem
+
+namespace lazymem {
+namespace {
+
+// The simulated device's two memories: a storage is the device's when the counting allocator
+// charged it to the device counter, the host's otherwise (lazymem's host memory, the user's
+// tensors), and a kernel operand in host memory is an internal error while the boundary is checked.
+TEST(TwoMemories, StoragesAreToldApartByTheCounterTheyWereChargedTo) {
+  ASSERT_TRUE(install_counting_cpu_allocator());
+  at::Tensor dev, host, mine;
+  {
+    CountingScope scope(&device_counter());
+    dev = at::empty({256}, at::kFloat);
+  }
+  {
+    CountingScope scope(&host_counter());
+    host = at::empty({256}, at::kFloat);
+  }
+  mine = at::empty({256}, at::kFloat); // the user's: no scope
+  EXPECT_EQ(storage_domain(dev.storage()), Domain::kDevice);
+  EXPECT_EQ(storage_domain(host.storage()), Domain::kHost);
+  EXPECT_EQ(storage_domain(mine.storage()), Domain::kHost);
+  // A view at an offset is in its storage's memory.
+  EXPECT_EQ(storage_domain(dev.narrow(0, 8, 8).storage()), Domain::kDevice);
+  EXPECT_EQ(storage_domain(c10::Storage()), Domain::kUnknown);
+}
+
+} // namespace
+} // namespace lazymem

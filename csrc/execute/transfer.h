@@ -1,0 +1,39 @@
+// execute: the boundary between host memory and the device (DESIGN.md §3, "Two memories"). A kernel
+// reads and writes device memory only; a value whose home is the host (assembled there because it
+// did not fit, kept there across passes, a random stream) reaches a kernel through an explicit copy
+// into a device temporary — counted in the device's peak — and goes back the same way. Every copy is
+// counted (bytes and time, each way: torch_lazymem.stats()). On the simulated device the copies take
+// the time of a modeled link (torch_lazymem.testing.simulated_device(capacity, link=...)), and a
+// kernel handed host memory is an internal error while the boundary is checked.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+
+namespace lazymem {
+
+struct Node;
+
+// A device copy of `host` (host memory; a view of any geometry): dense, of `dtype` (`host`'s when
+// Undefined). Charged to the device; counted host-to-device.
+at::Tensor copy_to_device(const at::Tensor& host, c10::ScalarType dtype = c10::ScalarType::Undefined);
+// Copies `device` into `host` (host memory, same shape); counted device-to-host.
+void copy_to_host(const at::Tensor& host, const at::Tensor& device);
+// Counts a copy of `bytes` made elsewhere (a random stream moved to the host) and takes the link's time.
+void count_transfer(int64_t bytes, bool to_device);
+
+// The modeled link of the simulated device, in bytes per second each way (0: not modeled — copies
+// take what the memcpy takes). torch_lazymem.testing.simulated_device(link=...).
+void set_link_bandwidth(double bytes_per_second);
+double link_bandwidth();
+// Seconds the link takes for `bytes` (0 when not modeled).
+double link_seconds(int64_t bytes);
+
+// Whether kernels' operands are checked to be in device memory (the simulated device's boundary):
+// LAZYMEM_CHECK_BOUNDARY=1 (the test suite and the fuzzer), or while a simulated device is set.
+bool boundary_checked();
+// With the boundary checked: an internal error when `t` (operand `what` of `n`) is in host memory.
+void check_on_device(const at::Tensor& t, const Node& n, const char* what, size_t index);
+
+} // namespace lazymem

@@ -1,0 +1,122 @@
+"""Host and device are two memories (DESIGN.md §3; issue 28). A value whose home is host memory —
+assembled there because it did not fit the device, held there across passes (set_recompute(False)) —
+reaches a kernel only through an explicit copy into device memory, counted in the device's peak, and
+goes back the same way; stats() counts the bytes and time each way and explain() shows each stage's
+transfers with the planner's predicted link time. The simulated device checks that every kernel operand
+is in device memory (the suite runs with LAZYMEM_CHECK_BOUNDARY=1; a simulated capacity turns it on
+too), and its copies take the time of a modeled link."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_lazymem
+from torch_lazymem.testing import parse_bandwidth, simulated_device
+
+MIB = 1 << 20
+
+
+def matmul_chain(x):
+    return ((x @ x).relu() @ x).sum()
+
+
+def test_a_value_in_host_memory_reaches_mm_through_a_device_copy():
+    """The issue's repro (float64, so x is 8 MiB): x is read whole by both matmuls. Under a cap that
+    cannot hold x the answer is a lazymem out-of-memory error naming aten::mm — x must be on the device
+    whole for a kernel to read it — not a "fit" with an 8 KiB peak read from host memory (what the CPU
+    kernel did before, and what failed on CUDA with 'mat2 is on cpu'). Under 12 MiB it fits: eager's
+    value, a peak within the cap, x's bytes counted host to device."""
+    torch.manual_seed(0)
+    xh = torch.randn(1024, 1024, dtype=torch.float64)
+    ref = matmul_chain(xh)
+    with simulated_device("2MiB"):
+        with pytest.raises(torch.OutOfMemoryError, match=r"lazymem: .*aten::mm"):
+            matmul_chain(xh.to("lazymem")).item()
+    for cap in ("12MiB", "9MiB"):
+        torch_lazymem.reset_stats()
+        with simulated_device(cap):
+            torch.lazymem.reset_peak_memory_stats()
+            got = matmul_chain(xh.to("lazymem")).item()
+            s = torch_lazymem.stats()
+            text = torch_lazymem.explain(print_it=False)
+            assert torch.lazymem.max_memory_allocated() <= int(cap[:-3]) * MIB
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), ref)
+        assert s["h2d_bytes"] >= xh.nbytes and s["h2d_copies"] >= 1, s
+        assert "transfers: 8.00 MiB host to device" in text, text
+
+
+def test_a_result_assembled_in_host_memory_is_written_out_and_read_back_by_rows():
+    """y = tanh(x) is 8 MiB under a 6 MiB device and the user holds it: its chunks are written to host
+    memory (device to host) and, in the same pass and in a later plan, read back row by row (host to
+    device). Eager's values; peak within the cap; explain() names the value and its bytes."""
+    torch.manual_seed(0)
+    xh = torch.randn(1024, 1024, dtype=torch.float64)
+    with simulated_device("6MiB"):
+        torch.lazymem.reset_peak_memory_stats()
+        x = xh.to("lazymem")
+        y = x.tanh()
+        y.sum().item()
+        torch_lazymem.reset_stats()
+        first = y.cos().sum(0).sum().item()
+        s1, text = torch_lazymem.stats(), torch_lazymem.explain(print_it=False)
+        torch_lazymem.reset_stats()
+        second = (y * 2).sum().item()
+        s2 = torch_lazymem.stats()
+        assert torch.lazymem.max_memory_allocated() <= 6 * MIB
+    ref = xh.tanh()
+    torch.testing.assert_close(torch.tensor(first, dtype=torch.float64), ref.cos().sum(0).sum())
+    torch.testing.assert_close(torch.tensor(second, dtype=torch.float64), (ref * 2).sum())
+    assert s1["values_in_host_memory"] >= 1 and s1["d2h_bytes"] >= ref.nbytes and s1["h2d_bytes"] >= ref.nbytes, s1
+    assert "assembled whole in host memory: 8.00 MiB" in text and "8.00 MiB device to host" in text, text
+    assert s2["h2d_bytes"] >= ref.nbytes and s2["d2h_bytes"] == 0, s2  # read back by rows, nothing written
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_values_held_in_host_memory_across_passes_cross_the_boundary_both_ways(recompute):
+    """set_recompute(False): activations crossing passes are written to host memory (device to host)
+    and read back chunk by chunk (host to device); with recompute nothing crosses. Eager's state either
+    way, peak within the cap (test_split_recompute checks the same step against eager)."""
+    from test_split_recompute import WideBNNet, recompute_set_to
+
+    from splitting import sgd_step_where_eager_runs_out
+
+    torch.manual_seed(0)
+    model = WideBNNet().double()
+    x, t = torch.randn(64, 3, 16, 16, dtype=torch.float64), torch.randint(0, 10, (64,))
+    s, text = sgd_step_where_eager_runs_out(model, x, t, "3MiB", context=lambda: recompute_set_to(recompute))
+    if recompute:
+        assert s["values_in_host_memory"] == 0 and s["d2h_bytes"] == 0, text
+    else:
+        assert s["values_in_host_memory"] > 0, text
+        assert s["h2d_bytes"] > 0 and s["d2h_bytes"] > 0, s
+        assert "transfers:" in text and "device to host" in text, text
+
+
+def test_the_modeled_link_takes_its_time():
+    """Copies on the simulated device take at least bytes / bandwidth (a lower bound the link's clock
+    guarantees; nothing is timed against a limit)."""
+    torch.manual_seed(0)
+    xh = torch.randn(1024, 1024, dtype=torch.float64)
+    torch_lazymem.reset_stats()
+    with simulated_device("12MiB", link="1GB/s"):
+        matmul_chain(xh.to("lazymem")).item()
+        s = torch_lazymem.stats()
+    moved = s["h2d_bytes"] + s["d2h_bytes"]
+    assert moved >= xh.nbytes
+    assert s["h2d_ns"] + s["d2h_ns"] >= moved  # 1 GB/s: a byte a nanosecond
+
+
+def test_link_bandwidths_parse_and_bad_ones_raise():
+    assert parse_bandwidth("25GB/s") == 25e9
+    assert parse_bandwidth("1GiB/s") == float(1 << 30)
+    assert parse_bandwidth(None) == 0.0
+    assert parse_bandwidth(5e9) == 5e9
+    with pytest.raises(ValueError, match="lazymem: link bandwidth must be given per second"):
+        parse_bandwidth("25GB")
+    with pytest.raises(ValueError, match="lazymem: link bandwidth must be non-negative"):
+        parse_bandwidth(-1)
+    with pytest.raises(TypeError, match="lazymem: link must be"):
+        parse_bandwidth(True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="lazymem"), simulated_device("1MiB", link="fast/s"):
+        pass
