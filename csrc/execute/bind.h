@@ -67,6 +67,11 @@ class Binder {
   int64_t take_copied_bytes() {
     return std::exchange(copied_bytes_, 0);
   }
+  // A node run begins: no device copy of an earlier run (one that failed before done()) is reused.
+  void begin_run() {
+    copies_.clear();
+    copied_bytes_ = 0;
+  }
   // After the node ran: device copies of host-held values it wrote go back to host memory; in whole
   // stages, buffers it wrote now hold its versions.
   void done(const PlannedNode& pn);

@@ -93,7 +93,7 @@ class Walker {
         device_counter().reset_node_peak();
         node_start_ = device_counter().allocated();
       }
-      binder.take_copied_bytes();
+      binder.begin_run();
       const auto t0 = std::chrono::steady_clock::now();
       replay(pn, binder, stack_);
       observe_node_time(workspace_key(pn), std::max<int64_t>(rows, 1),

@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from splitting import B, assert_state_close, batch_of, ce, sgd_step_where_eager_runs_out, train_split
 
 import torch_lazymem
@@ -189,3 +190,47 @@ def test_the_progress_bar_shows_on_a_terminal_unless_disabled(monkeypatch, tty, 
     report(3, 3, True)
     assert ("3/3" in term.text) == shown
     assert torch_lazymem._progress._bar is None
+
+
+def test_out_of_memory_inside_a_foreach_optimizer_step_resumes_after_the_tensors_done():
+    """AdamW(foreach=True) on lazymem runs _foreach_ ops over every parameter. On the CPU backing their
+    kernel loops over the tensors and may allocate between one tensor's update and the next, so an
+    allocation failure part way through one used to leave the first tensors updated and the retry
+    updated them again (seen under torch 2.11 in the test above). They run one element at a time, and
+    a retry resumes after the elements done: every injected failure gives the state of the run without
+    one, and that run eager's, bitwise (nothing is split; each element alone runs the same kernel). (On
+    torch 2.13 the kernel allocates nothing between elements; the test above found it under 2.11.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, t = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+
+    def step(n, dev="lazymem"):
+        lazy = copy.deepcopy(model).to(dev)
+        opt = torch.optim.AdamW(lazy.parameters(), lr=1e-2, foreach=True)
+        before = injected_failures()
+        for _ in range(2):
+            F.mse_loss(lazy(x.to(dev)), t.to(dev)).backward()
+            torch.lazymem.synchronize()
+            if n:
+                fail_allocation(n)  # armed for the next materialization: the step's
+            opt.step()
+            opt.zero_grad()
+            torch.lazymem.synchronize()
+        hit = injected_failures() > before
+        state = {k: v.cpu() for k, v in lazy.state_dict().items()}
+        state.update({f"exp_avg_sq.{i}": opt.state[p]["exp_avg_sq"].cpu() for i, p in enumerate(lazy.parameters())})
+        return state, hit
+
+    ref, _ = step(0)
+    eager, _ = step(0, "cpu")
+    for k, v in ref.items():
+        assert torch.equal(v, eager[k]), k
+    fired = 0
+    for n in range(1, 400):
+        state, hit = step(n)
+        if not hit:
+            break
+        fired += 1
+        for k, v in state.items():
+            assert torch.equal(v, ref[k]), f"{k} after failing allocation {n} of the step"
+    assert fired >= 4, fired

@@ -120,3 +120,25 @@ def test_link_bandwidths_parse_and_bad_ones_raise():
         parse_bandwidth(True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="lazymem"), simulated_device("1MiB", link="fast/s"):
         pass
+
+
+def test_a_node_that_fails_leaves_no_device_copy_for_the_next():
+    """A kernel that fails (an index out of range, found only when it runs) after its operand was
+    copied from host memory: the next node reading another view of the same host-held value gets its
+    own copy, not the failed node's. The failure is reported on the value it poisons; the rest is
+    eager's."""
+    torch.manual_seed(0)
+    xh = torch.randn(1024, 1024, dtype=torch.float64)
+    with simulated_device("6MiB"):
+        y = xh.to("lazymem").tanh()
+        y.sum().item()
+        y.cos().sum().item()  # y (8 MiB) assembled in host memory
+        bad = torch.index_select(y[:4], 0, torch.tensor([7]).to("lazymem"))
+        good = y[4:8] * 2
+        with pytest.raises((IndexError, RuntimeError), match="lazymem: .*index"):
+            torch.lazymem.synchronize()  # one plan runs both: the first fails, the second runs on
+        assert "unsplit plan: 3 nodes run" in torch_lazymem.explain(print_it=False)
+        got = good.cpu()
+        with pytest.raises((IndexError, RuntimeError), match="lazymem: .*index"):
+            bad.cpu()
+    torch.testing.assert_close(got, xh.tanh()[4:8] * 2, rtol=0, atol=0)
