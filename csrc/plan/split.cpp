@@ -382,7 +382,7 @@ bool SplitBuilder::price_recompute() {
     for (const PlannedNode& pn : st.nodes) {
       if (!pn.recompute) continue;
       ++nodes;
-      const std::optional<double> ns = node_ns_per_row(workspace_key(pn));
+      const std::optional<double> ns = node_ns_per_row(workspace_key(pn) | 1); // (as the executor keys it)
       if (!ns) {
         known = false;
         break;
