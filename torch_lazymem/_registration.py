@@ -29,7 +29,28 @@ def register() -> None:
         )
     _printing.install()
     _mark_module_state()
+    _register_missing_metas()
     _done = True
+
+
+_meta_lib: torch.library.Library | None = None
+
+
+def _register_missing_metas() -> None:
+    """Meta kernels later torch versions have and earlier ones lack: without one, an op runs eagerly
+    on lazymem (whole, at once) instead of being recorded and planned. torch 2.11 lacks the fused
+    encoder layer's (nn.TransformerEncoderLayer's inference fast path), which 2.13 registers."""
+    global _meta_lib
+    op = "aten::_transformer_encoder_layer_fwd"
+    if _meta_lib is not None or torch._C._dispatch_has_kernel_for_dispatch_key(op, "Meta"):
+        return
+    _meta_lib = torch.library.Library("aten", "IMPL")
+
+    def encoder_layer_meta(src: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        # As 2.13's: the layer's output has its input's shape and dtype.
+        return src.clone() if src.numel() == 0 else torch.empty_like(src)
+
+    _meta_lib.impl("_transformer_encoder_layer_fwd", encoder_layer_meta, "Meta")
 
 
 def _mark_module_state() -> None:
