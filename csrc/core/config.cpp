@@ -180,10 +180,6 @@ std::string format_bytes(int64_t n) {
   return buf;
 }
 
-} // namespace lazymem
-
-namespace lazymem {
-
 std::string format_seconds(double s) {
   char buf[32];
   if (s >= 1) {

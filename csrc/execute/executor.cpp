@@ -96,8 +96,7 @@ class Walker {
       binder.begin_run();
       const auto t0 = std::chrono::steady_clock::now();
       replay(pn, binder, stack_);
-      if (pn.time_key == 0) pn.time_key = workspace_key(pn) | 1; // (0: not computed yet)
-      observe_node_time(pn.time_key, std::max<int64_t>(rows, 1),
+      observe_node_time(node_time_key(pn), std::max<int64_t>(rows, 1),
                         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
       ++out_.executed;
       stamp_writes(n);

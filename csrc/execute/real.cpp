@@ -1,6 +1,7 @@
 // execute: real storage and views.
 #include "execute/real.h"
 
+#include <ATen/Context.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/DeviceGuard.h>
@@ -8,9 +9,7 @@
 #include "core/check.h"
 #include "core/runtime.h"
 #include "device/phantom.h"
-#include "execute/bind.h"
 #include "execute/transfer.h"
-#include <ATen/Context.h>
 
 namespace lazymem {
 namespace {
@@ -49,15 +48,9 @@ c10::Storage allocate_host(size_t nbytes) {
 
 void bring_to_device(LazyBuffer& b) {
   if (!b.has_real() || !b.real_on_host) return;
-  TensorMeta bytes = TensorMeta::contiguous({static_cast<int64_t>(b.real.nbytes())}, c10::kByte);
-  at::Tensor host = real_view(b, bytes);
-  c10::Storage dev = allocate_real(b.real.nbytes());
-  {
-    ReplayScope scope;
-    storage_view(dev, bytes).copy_(host);
-  }
-  count_transfer(static_cast<int64_t>(b.real.nbytes()), true);
-  b.set_real(dev, false);
+  ReplayScope scope; // (the copy is the device's)
+  const TensorMeta bytes = TensorMeta::contiguous({static_cast<int64_t>(b.real.nbytes())}, c10::kByte);
+  b.set_real(copy_to_device(real_view(b, bytes)).storage(), false);
 }
 
 void ensure_real(LazyBuffer& b, size_t need) {

@@ -56,8 +56,6 @@ void take_link_time(int64_t bytes, bool to_device, Clock::time_point start, bool
                  std::memory_order_relaxed);
 }
 
-std::atomic<int> g_check{-1};
-
 } // namespace
 
 at::Tensor copy_to_device(const at::Tensor& host, c10::ScalarType dtype) {
@@ -86,11 +84,6 @@ void set_link_bandwidth(double bytes_per_second) {
 
 double link_bandwidth() {
   return config().link_bandwidth.load(std::memory_order_relaxed);
-}
-
-double link_seconds(int64_t bytes) {
-  const double bw = link_bandwidth();
-  return bw > 0 ? static_cast<double>(bytes) / bw : 0.0;
 }
 
 bool boundary_checked() {

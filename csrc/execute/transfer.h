@@ -27,8 +27,6 @@ void count_transfer(int64_t bytes, bool to_device);
 // take what the memcpy takes). torch_lazymem.testing.simulated_device(link=...).
 void set_link_bandwidth(double bytes_per_second);
 double link_bandwidth();
-// Seconds the link takes for `bytes` (0 when not modeled).
-double link_seconds(int64_t bytes);
 
 // Whether kernels' operands are checked to be in device memory (the simulated device's boundary):
 // LAZYMEM_CHECK_BOUNDARY=1 (the test suite and the fuzzer), or while a simulated device is set.

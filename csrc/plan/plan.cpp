@@ -7,6 +7,7 @@
 
 #include "core/config.h"
 #include "ops/op_rules.h"
+#include "plan/timing.h"
 
 namespace lazymem {
 
@@ -71,12 +72,6 @@ std::string node_line(const PlannedNode& pn) {
 }
 
 } // namespace
-
-double predicted_link_seconds(int64_t bytes) {
-  double bw = config().link_bandwidth.load(std::memory_order_relaxed);
-  if (bw <= 0) bw = 25e9;
-  return static_cast<double>(bytes) / bw;
-}
 
 std::vector<StageTransfers> plan_transfers(const Plan& plan) {
   std::vector<const LazyBuffer*> host;
@@ -160,7 +155,7 @@ std::string Plan::to_string(bool nodes) const {
     if (h2d + d2h > 0) {
       const double bw = config().link_bandwidth.load(std::memory_order_relaxed);
       os << "  transfers: " << format_bytes(h2d) << " host to device, " << format_bytes(d2h)
-         << " device to host; predicted link time " << format_seconds(predicted_link_seconds(h2d) + predicted_link_seconds(d2h))
+         << " device to host; predicted copy time " << format_seconds(predicted_copy_seconds(h2d) + predicted_copy_seconds(d2h))
          << (bw > 0 ? " (the modeled link, " : " (assuming ") << (bw > 0 ? bw : 25e9) / 1e9 << " GB/s each way)\n";
     }
   }
@@ -171,7 +166,7 @@ std::string Plan::to_string(bool nodes) const {
       if (t.h2d + t.d2h == 0) return;
       os << "    transfers: " << format_bytes(t.h2d) << " in, " << format_bytes(t.d2h) << " out in " << t.copies
          << (t.copies == 1 ? " copy" : " copies") << ", predicted "
-         << format_seconds(predicted_link_seconds(t.h2d) + predicted_link_seconds(t.d2h));
+         << format_seconds(predicted_copy_seconds(t.h2d) + predicted_copy_seconds(t.d2h));
       for (size_t k = 0; k < t.values.size(); ++k) {
         os << (k ? "," : ";") << " b" << t.values[k].first->id << " " << format_bytes(t.values[k].second);
       }

@@ -90,7 +90,7 @@ struct PlannedNode {
   std::vector<int32_t> free_slots;  // slots whose chunk-local storage dies after this node
   bool placeholder_outputs = false; // outputs whose shapes the kernel may not match (BN placeholders)
   int64_t predicted = 0;            // the memory model's device bytes while it runs (LAZYMEM_DEBUG=3)
-  mutable uint64_t time_key = 0;    // its workspace_key, once the executor has timed it (plan/timing.h)
+  mutable uint64_t time_key = 0;    // node_time_key (plan/timing.h), once computed
   RowMap rows;                      // Loop stages: the node's rows (of its batch-sharded outputs, else
                                     // operands); rewritten arguments, random draws and host constants
                                     // follow them, and a chunk holding none of them skips the node
@@ -227,8 +227,5 @@ struct StageTransfers {
 // Per stage, in order. Buffers held in host memory before the plan, or assembled there by its loops,
 // count as host-held from then on.
 std::vector<StageTransfers> plan_transfers(const Plan& plan);
-// Seconds `bytes` take at the modeled link's (or, off the simulated device, an assumed 25 GB/s)
-// bandwidth.
-double predicted_link_seconds(int64_t bytes);
 
 } // namespace lazymem

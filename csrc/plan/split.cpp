@@ -382,7 +382,7 @@ bool SplitBuilder::price_recompute() {
     for (const PlannedNode& pn : st.nodes) {
       if (!pn.recompute) continue;
       ++nodes;
-      const std::optional<double> ns = node_ns_per_row(workspace_key(pn) | 1); // (as the executor keys it)
+      const std::optional<double> ns = node_ns_per_row(node_time_key(pn));
       if (!ns) {
         known = false;
         break;

@@ -7,6 +7,8 @@
 #include <unordered_map>
 
 #include "core/config.h"
+#include "plan/plan.h"
+#include "plan/workspace.h"
 
 namespace lazymem {
 namespace {
@@ -24,6 +26,11 @@ Times& times() {
 std::atomic<double> g_copy_s_per_byte{0.0}; // 0: nothing measured
 
 } // namespace
+
+uint64_t node_time_key(const PlannedNode& pn) {
+  if (pn.time_key == 0) pn.time_key = workspace_key(pn) | 1; // (0: not computed yet)
+  return pn.time_key;
+}
 
 void observe_node_time(uint64_t key, int64_t rows, int64_t ns) {
   const double v = static_cast<double>(ns) / static_cast<double>(std::max<int64_t>(rows, 1));

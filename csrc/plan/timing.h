@@ -11,6 +11,11 @@
 
 namespace lazymem {
 
+struct PlannedNode;
+
+// The key a planned node's times are kept under (its workspace_key: op, shapes, bindings, args),
+// computed once per planned node.
+uint64_t node_time_key(const PlannedNode& pn);
 // A run of the node keyed `key` took `ns` for `rows` batch rows (1 for a whole node).
 void observe_node_time(uint64_t key, int64_t rows, int64_t ns);
 // Nanoseconds per batch row of the node keyed `key` (nullopt: never run).
