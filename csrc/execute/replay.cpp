@@ -232,50 +232,6 @@ void replay_row_keyed(const PlannedNode& pn, Binder& binder, torch::jit::Stack& 
   stack.clear();
 }
 
-// An in-place _foreach_ op with no results (the optimizers' steps): on the CPU backing, eager's kernel
-// is a loop over the lists' elements that may allocate between one element's update and the next, so
-// an out-of-memory error can leave the first elements updated; run again whole, they would be updated
-// twice. It runs one element at a time instead — the same kernel on one-element lists, so the same
-// bytes — and counts the elements done, so a run that fails part way resumes after them.
-bool foreach_by_element(const Node& n, const Binder& binder) {
-  if (!backing_device().is_cpu() || binder.in_loop() || !n.defs.empty()) return false;
-  const c10::FunctionSchema& s = n.op.schema();
-  if (!s.returns().empty() || s.name().rfind("aten::_foreach_", 0) != 0 || s.name().back() != '_') return false;
-  bool writes = false;
-  for (const Use& u : n.uses) writes = writes || (u.write && u.elem >= 0);
-  return writes;
-}
-
-void replay_foreach_by_element(const PlannedNode& pn, torch::jit::Stack& stack) {
-  Node& n = *pn.node;
-  const torch::jit::Stack whole = stack;
-  int64_t count = -1;
-  for (const c10::IValue& v : whole) {
-    if (v.isTensorList()) count = std::max<int64_t>(count, static_cast<int64_t>(v.toTensorList().size()));
-  }
-  LAZYMEM_INTERNAL_ASSERT(count >= 0, n.describe(), ": no tensor list");
-  for (int64_t i = n.foreach_done; i < count; ++i) {
-    stack.clear();
-    for (const c10::IValue& v : whole) {
-      if (v.isTensorList()) {
-        c10::List<at::Tensor> one;
-        one.push_back(v.toTensorList().get(static_cast<size_t>(i)));
-        stack.emplace_back(std::move(one));
-      } else if (v.isList() && v.toList().size() == static_cast<size_t>(count)) { // a Scalar[] per element
-        c10::impl::GenericList one(v.toList().elementType());
-        one.push_back(v.toList().get(static_cast<size_t>(i)));
-        stack.emplace_back(std::move(one));
-      } else {
-        stack.push_back(v);
-      }
-    }
-    redispatch_on_backing(pn.op, stack, 0, n.device_args, n.generator_arg,
-                          static_cast<LazyGenerator*>(n.generator.get()), n.grad_mode);
-    n.foreach_done = static_cast<int32_t>(i + 1);
-  }
-  stack.clear();
-}
-
 } // namespace
 
 void replay(const PlannedNode& pn, Binder& binder, torch::jit::Stack& stack) {
@@ -321,8 +277,6 @@ void replay(const PlannedNode& pn, Binder& binder, torch::jit::Stack& stack) {
   }
   if (reseeded) {
     redispatch_with(pn.op, stack, n.device_args, n.generator_arg, *reseeded, n.grad_mode);
-  } else if (foreach_by_element(n, binder)) {
-    replay_foreach_by_element(pn, stack);
   } else {
     redispatch_on_backing(pn.op, stack, 0, n.device_args, n.generator_arg,
                           static_cast<LazyGenerator*>(n.generator.get()), n.grad_mode);

@@ -102,9 +102,6 @@ struct Node {
   // a value still unread at the next plan is stored instead, so a chain of syncs that each leave it
   // unread (generation's KV cache, read by every later token) recomputes it at most once.
   bool kept = false;
-  // An in-place _foreach_ op run element by element on the CPU backing (execute/replay.cpp): the
-  // elements of its lists already updated. A run that failed part way resumes after them.
-  int32_t foreach_done = 0;
   // Op rules the plan fingerprint reads (ir/tape.h), set by the recorder: floating-point arguments
   // cannot change placements (pointwise and _foreach_ ops), and the argument that is per-call state.
   bool floats_shape_free = false;

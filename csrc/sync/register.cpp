@@ -85,6 +85,20 @@ void conv_backward_overrideable(const c10::OperatorHandle&, torch::jit::Stack* s
   record_or_run(op, stack);
 }
 
+// A _foreach_ op with a backend kernel (a CUDA build's multi-tensor kernels): recorded whole where the
+// backing device has that kernel, so replay runs eager's fused kernel (one node per call). On a CPU
+// backing, where the op has no CPU kernel, eager runs its per-tensor slow path: so does lazymem,
+// recording one node per tensor, as a CPU-only build of torch does — what the planner splits along
+// the tensor list (plan/lanes.h) and what CPU eager computes, the same kernels.
+void foreach_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (backing_device().is_cpu() && !op.hasKernelForDispatchKey(c10::DispatchKey::CPU) &&
+      op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd)) {
+    op.callBoxedForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd, *stack);
+    return;
+  }
+  sync_fallback(op, stack);
+}
+
 // Composite kernels of two kinds would otherwise pre-empt the boxed fallback on PrivateUse1:
 //  - CompositeExplicitAutogradNonFunctional kernels (generated for structured ops: add.Tensor, mm,
 //    index.Tensor, ...) run the structured meta function on lazymem tensors and call the out= op,
@@ -114,7 +128,11 @@ const bool g_captured = [] {
     if (!(ceanf || foreach || hybrid) || op->hasTag(at::Tag::inplace_view)) continue;
     std::string qualified = name.name.substr(6);
     if (!name.overload_name.empty()) qualified += "." + name.overload_name;
-    lib->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&sync_fallback>());
+    if (name.name.rfind("aten::_foreach_", 0) == 0) {
+      lib->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&foreach_fallback>());
+    } else {
+      lib->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&sync_fallback>());
+    }
   }
   return true;
 }();

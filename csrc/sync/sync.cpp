@@ -151,7 +151,6 @@ size_t put_back_all(Segment& seg, uint64_t epoch) {
     for (const Use& u : n->uses) {
       if (u.write && u.ref.buf->exec_epoch == epoch) u.ref.buf->drop_real();
     }
-    n->foreach_done = 0; // (what its elements wrote is dropped: all run again)
     nodes.push_back(std::move(n));
   }
   const size_t count = nodes.size();

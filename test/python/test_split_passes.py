@@ -193,13 +193,12 @@ def test_the_progress_bar_shows_on_a_terminal_unless_disabled(monkeypatch, tty, 
 
 
 def test_out_of_memory_inside_a_foreach_optimizer_step_resumes_after_the_tensors_done():
-    """AdamW(foreach=True) on lazymem runs _foreach_ ops over every parameter. On the CPU backing their
-    kernel loops over the tensors and may allocate between one tensor's update and the next, so an
-    allocation failure part way through one used to leave the first tensors updated and the retry
-    updated them again (seen under torch 2.11 in the test above). They run one element at a time, and
-    a retry resumes after the elements done: every injected failure gives the state of the run without
-    one, and that run eager's, bitwise (nothing is split; each element alone runs the same kernel). (On
-    torch 2.13 the kernel allocates nothing between elements; the test above found it under 2.11.)"""
+    """AdamW(foreach=True) on lazymem runs _foreach_ ops over every parameter. On the CPU backing eager's
+    kernel for them is a loop over the tensors; captured whole (as a CUDA build of torch 2.11 did), an
+    allocation failure part way through one left the first tensors updated and the retry updated them
+    again. On a CPU backing they are recorded as eager runs them, one node per tensor (sync/register.cpp
+    foreach_fallback), each node run once: every injected failure gives the state of the run without
+    one, and that run eager's, bitwise (nothing is split)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double()
     x, t = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
