@@ -55,6 +55,8 @@ std::map<std::string, int64_t> Stats::snapshot() const {
       {"d2h_bytes", ld(d2h_bytes)},
       {"d2h_copies", ld(d2h_copies)},
       {"d2h_ns", ld(d2h_ns)},
+      {"h2d_ahead", ld(h2d_ahead)},
+      {"copy_wait_ns", ld(copy_wait_ns)},
   };
 }
 
@@ -96,6 +98,8 @@ void Stats::reset() {
   d2h_bytes = 0;
   d2h_copies = 0;
   d2h_ns = 0;
+  h2d_ahead = 0;
+  copy_wait_ns = 0;
 }
 
 static Config* make_config() {

@@ -50,6 +50,8 @@ struct Stats {
   std::atomic<uint64_t> d2h_bytes{0};
   std::atomic<uint64_t> d2h_copies{0};
   std::atomic<uint64_t> d2h_ns{0};
+  std::atomic<uint64_t> h2d_ahead{0};     // copies started ahead of their reader (the next chunk's rows)
+  std::atomic<uint64_t> copy_wait_ns{0};  // time the executor waited for such copies to end
   std::map<std::string, int64_t> snapshot() const;
   void reset();
 };

@@ -93,6 +93,62 @@ at::Tensor storage_view(const c10::Storage& storage, const TensorMeta& meta, boo
   return at::Tensor(std::move(impl));
 }
 
+Binder::Binder(const Stage& stage)
+    : stage_(stage), local_(stage.slots.size()), acc_started_(stage.accs.size(), 0) {
+  if (!stage.loop) return;
+  for (const PlannedNode& pn : stage.nodes) {
+    for (size_t i = 0; i < pn.uses.size(); ++i) {
+      const LazyBuffer& b = *pn.node->uses[i].ref.buf;
+      if (b.has_real() && b.real_on_host && copied_ahead(stage, pn, i)) aheadable_.emplace_back(&pn, i);
+    }
+  }
+}
+
+void Binder::copy_ahead(const PlannedNode* pn, int64_t start, int64_t rows) {
+  if (aheadable_.empty() || rows <= 0) return;
+  for (const auto& [p, i] : aheadable_) {
+    if (pn && p != pn) continue;
+    for (auto it = ahead_.begin(); it != ahead_.end(); ++it) {
+      if (it->pn == p && it->use == i) {
+        ahead_.erase(it); // (rows of a chunk that did not come: its copy ends first)
+        break;
+      }
+    }
+    const int64_t c0 = c0_, c1 = c1_;
+    c0_ = start;
+    c1_ = start + rows;
+    const auto [first, count] = rows_of(p->uses[i].map);
+    at::Tensor v = count > 0 ? home(*p, i) : at::Tensor();
+    c0_ = c0;
+    c1_ = c1;
+    if (!v.defined()) continue;
+    try {
+      ahead_.push_back(Ahead{p, i, first, count, std::make_unique<PendingCopy>(v)});
+    } catch (const c10::OutOfMemoryError&) { // NOLINT(bugprone-empty-catch): copied when the node runs
+    }
+  }
+}
+
+at::Tensor Binder::take_ahead(const PlannedNode& pn, size_t i, const at::Tensor& v) {
+  const int64_t key = static_cast<int64_t>(i);
+  for (const Copy& c : copies_) {
+    if (c.key == key) return c.device;
+  }
+  for (auto it = ahead_.begin(); it != ahead_.end(); ++it) {
+    if (it->pn != &pn || it->use != i) continue;
+    const auto [first, count] = rows_of(pn.uses[i].map);
+    std::unique_ptr<PendingCopy> copy = std::move(it->copy);
+    const bool match = it->first == first && it->count == count;
+    ahead_.erase(it);
+    if (!match) return at::Tensor(); // other rows: dropped (once its copy has ended)
+    at::Tensor d = copy->get();
+    copied_bytes_ += copy->bytes();
+    copies_.push_back(Copy{key, v, d, false});
+    return d;
+  }
+  return at::Tensor();
+}
+
 void Binder::begin_chunk(int64_t start, int64_t rows) {
   copies_.clear();
   c0_ = start;
@@ -162,6 +218,9 @@ at::Tensor Binder::use(const PlannedNode& pn, size_t i) {
   if (bd && bd->bind == Bind::kNarrow && bd->outer != 1) { // a gathered copy
     copied_bytes_ += static_cast<int64_t>(v.numel() * v.element_size());
     return copy_to_device(v);
+  }
+  if (!ahead_.empty() && bd && bd->bind == Bind::kNarrow) {
+    if (at::Tensor d = take_ahead(pn, i, v); d.defined()) return d;
   }
   return device_copy(static_cast<int64_t>(i), v, u.write, !u.write_only);
 }

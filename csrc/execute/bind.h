@@ -8,17 +8,18 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/SmallVector.h>
 
+#include <memory>
 #include <utility>
 #include <vector>
 
+#include "execute/transfer.h"
 #include "plan/plan.h"
 
 namespace lazymem {
 
 class Binder {
  public:
-  explicit Binder(const Stage& stage)
-      : stage_(stage), local_(stage.slots.size()), acc_started_(stage.accs.size(), 0) {}
+  explicit Binder(const Stage& stage);
 
   // Loop stages: the chunk of batch rows [start, start + rows) begins; every chunk-local storage is
   // empty.
@@ -76,6 +77,13 @@ class Binder {
   // stages, buffers it wrote now hold its versions.
   void done(const PlannedNode& pn);
 
+  // Loop stages: starts copying to the device the rows [start, start + rows) of the host-held values
+  // `pn` reads (every node's when null) that are copied ahead (copied_ahead): the next chunk's, once
+  // `pn` has read this chunk's. use() takes the copy when the node runs for those rows; one for other
+  // rows (a chunk run again smaller) is dropped there. A copy that cannot be allocated is not started
+  // (the node copies when it runs).
+  void copy_ahead(const PlannedNode* pn, int64_t start, int64_t rows);
+
   // Loop stages: adds the slot's partial into its accumulator (the first chunk's partial becomes it).
   void accumulate(int32_t slot);
   // Loop stages: drops a chunk-local storage.
@@ -103,6 +111,17 @@ class Binder {
     bool back;
   };
   c10::SmallVector<Copy, 2> copies_; // of the running node
+  // The copy started ahead for node->uses[i] in the chunk whose rows of it are [first, first + count),
+  // taken by use() (into copies_) when it matches.
+  at::Tensor take_ahead(const PlannedNode& pn, size_t i, const at::Tensor& home);
+  struct Ahead {
+    const PlannedNode* pn;
+    size_t use;
+    int64_t first, count;
+    std::unique_ptr<PendingCopy> copy;
+  };
+  std::vector<std::pair<const PlannedNode*, size_t>> aheadable_; // uses copied ahead in this loop
+  std::vector<Ahead> ahead_;
   int64_t copied_bytes_ = 0;
 
   const Stage& stage_;

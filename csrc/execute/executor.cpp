@@ -228,6 +228,7 @@ class Walker {
     std::vector<char> none(st.slots.size(), 0);
     updated_in_place_.clear();
     saved_.clear();
+    binder.copy_ahead(nullptr, 0, std::min(chunk, st.batch)); // the first chunk's host-held rows
     for (int64_t start = 0; start < st.batch;) {
       const int64_t rows = std::min(chunk, st.batch - start);
       if (!run_chunk(st, binder, start, rows, none, chunk)) {
@@ -292,6 +293,7 @@ class Walker {
         ok = false;
         break;
       }
+      if (start + rows < st.batch) binder.copy_ahead(&pn, start + rows, std::min(chunk, st.batch - start - rows));
       if (!redo && !undoable) {
         redoable = false;
         note_updated_in_place(st, pn);

@@ -1,12 +1,20 @@
 // execute: copies across the host/device boundary, and the boundary's check.
 #include "execute/transfer.h"
 
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include <ATen/ops/empty.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include "core/check.h"
 #include "core/config.h"
@@ -56,7 +64,174 @@ void take_link_time(int64_t bytes, bool to_device, Clock::time_point start, bool
                  std::memory_order_relaxed);
 }
 
+// The copy worker of a CPU backing: one thread, copies in the order they were started (one link).
+class CopyWorker {
+ public:
+  // The process's worker (a forked child starts its own: threads do not survive fork). Never
+  // destroyed: it lives as long as the process.
+  static CopyWorker& get() {
+    static std::mutex mu;
+    static CopyWorker* worker = nullptr;
+    static pid_t owner = 0;
+    std::lock_guard<std::mutex> lock(mu);
+    if (!worker || owner != ::getpid()) {
+      worker = new CopyWorker(); // NOLINT(cppcoreguidelines-owning-memory): leaked on purpose
+      owner = ::getpid();
+    }
+    return *worker;
+  }
+  void push(std::shared_ptr<PendingCopy::State> s) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(s));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  CopyWorker() {
+    std::thread([this] { loop(); }).detach();
+  }
+  void loop();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<PendingCopy::State>> queue_;
+};
+
 } // namespace
+
+struct PendingCopy::State {
+  at::Tensor host, device;
+  int64_t bytes = 0;
+  // The copy worker's: done once the copy (and its link time) has ended.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;
+  // A copy stream's: the copy's end on it, and whether the compute stream waits for it yet.
+  std::optional<c10::Event> ended;
+  bool ordered = false;
+};
+
+namespace {
+
+void CopyWorker::loop() {
+  for (;;) {
+    std::shared_ptr<PendingCopy::State> s;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return !queue_.empty(); });
+      s = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    const auto start = Clock::now();
+    try {
+      s->device.copy_(s->host);
+      take_link_time(s->bytes, true, start);
+    } catch (...) {
+      s->error = std::current_exception();
+    }
+    // The tensors are released by their owner's thread (~PendingCopy), never here: the device's
+    // counting allocator is charged and credited on the thread that plans and runs.
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->done = true;
+    }
+    s->cv.notify_all();
+  }
+}
+
+// The copy stream of `dev` (one per device, from the backend's pool).
+c10::Stream copy_stream(const c10::Device& dev) {
+  static std::mutex mu;
+  static std::vector<std::pair<c10::Device, c10::Stream>> streams;
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto& [d, s] : streams) {
+    if (d == dev) return s;
+  }
+  c10::impl::VirtualGuardImpl impl(dev.type());
+  streams.emplace_back(dev, impl.getStreamFromGlobalPool(dev, /*isHighPriority=*/false));
+  return streams.back().second;
+}
+
+} // namespace
+
+PendingCopy::PendingCopy(const at::Tensor& host) : state_(std::make_shared<State>()) {
+  const c10::Device dev = backing_device();
+  State& s = *state_;
+  s.host = host;
+  s.bytes = static_cast<int64_t>(host.numel() * host.element_size());
+  s.device = at::empty(host.sizes(), host.options().device(dev)); // charged now, on the compute stream
+  stats().h2d_ahead.fetch_add(1, std::memory_order_relaxed);
+  if (dev.is_cpu()) {
+    CopyWorker::get().push(state_);
+    return;
+  }
+  c10::impl::VirtualGuardImpl impl(dev.type());
+  const c10::Stream compute = impl.getStream(dev);
+  const c10::Stream copy = copy_stream(dev);
+  // The temporary's memory may still be read by work queued on the compute stream before it was
+  // freed there: the copy starts after that work.
+  c10::Event free_on_compute(dev.type());
+  free_on_compute.record(compute);
+  free_on_compute.block(copy);
+  {
+    c10::StreamGuard on_copy(copy);
+    s.device.copy_(host, /*non_blocking=*/true);
+  }
+  s.ended.emplace(dev.type());
+  s.ended->record(copy);
+  Stats& st = stats();
+  st.h2d_bytes.fetch_add(static_cast<uint64_t>(s.bytes), std::memory_order_relaxed);
+  st.h2d_copies.fetch_add(1, std::memory_order_relaxed);
+}
+
+const at::Tensor& PendingCopy::get() {
+  State& s = *state_;
+  if (s.ended) {
+    if (!s.ordered) {
+      c10::impl::VirtualGuardImpl impl(s.device.device().type());
+      s.ended->block(impl.getStream(s.device.device()));
+      s.ordered = true;
+    }
+    return s.device;
+  }
+  {
+    std::unique_lock<std::mutex> lock(s.mu);
+    if (!s.done) {
+      const auto t0 = Clock::now();
+      s.cv.wait(lock, [&] { return s.done; });
+      stats().copy_wait_ns.fetch_add(
+          static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count()),
+          std::memory_order_relaxed);
+    }
+  }
+  if (s.error) std::rethrow_exception(s.error);
+  return s.device;
+}
+
+int64_t PendingCopy::bytes() const {
+  return state_->bytes;
+}
+
+PendingCopy::~PendingCopy() {
+  State& s = *state_;
+  if (s.ended) {
+    // Dropped unread: nothing on the compute stream may reuse the temporary before the copy ends.
+    if (!s.ordered) {
+      try {
+        c10::impl::VirtualGuardImpl impl(s.device.device().type());
+        s.ended->block(impl.getStream(s.device.device()));
+      } catch (...) { // NOLINT(bugprone-empty-catch): a destructor; the device is failing anyway
+      }
+    }
+  } else {
+    std::unique_lock<std::mutex> lock(s.mu);
+    s.cv.wait(lock, [&] { return s.done; });
+  }
+  s.device.reset();
+  s.host.reset();
+}
 
 at::Tensor copy_to_device(const at::Tensor& host, c10::ScalarType dtype) {
   const auto start = Clock::now();

@@ -9,6 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <string>
 
 namespace lazymem {
@@ -22,6 +23,30 @@ at::Tensor copy_to_device(const at::Tensor& host, c10::ScalarType dtype = c10::S
 void copy_to_host(const at::Tensor& host, const at::Tensor& device);
 // Counts a copy of `bytes` made elsewhere (a random stream moved to the host) and takes the link's time.
 void count_transfer(int64_t bytes, bool to_device);
+
+// A copy of host memory into a device temporary started ahead of its reader (the next chunk's rows of a
+// value held in host memory, issued while this chunk computes). On the simulated device (a CPU backing)
+// a copy worker thread carries it over the modeled link; on another backing (CUDA) a copy stream does,
+// after an event on the compute stream (the temporary's memory is free there) and before its reader
+// (the compute stream waits for the copy's event: the host does not). The temporary is allocated, and
+// charged to the device, when the copy starts.
+class PendingCopy {
+ public:
+  explicit PendingCopy(const at::Tensor& host);
+  PendingCopy(const PendingCopy&) = delete;
+  PendingCopy& operator=(const PendingCopy&) = delete;
+  // A copy dropped unread still owns its destination until it ends: waited for here.
+  ~PendingCopy();
+  // The device copy, once the copy has ended (or, on a stream, once the compute stream is ordered after
+  // it). Rethrows the copy's error.
+  const at::Tensor& get();
+  int64_t bytes() const;
+
+  struct State;
+
+ private:
+  std::shared_ptr<State> state_;
+};
 
 // The modeled link of the simulated device, in bytes per second each way (0: not modeled — copies
 // take what the memcpy takes). torch_lazymem.testing.simulated_device(link=...).

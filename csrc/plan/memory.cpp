@@ -151,6 +151,17 @@ class Simulator {
         host_.push_back(f.buf);
       }
     }
+    // The device copies of host-held rows started a chunk ahead (copied_ahead): one per use, held
+    // across the whole loop (the next chunk's starts as soon as the node has read this chunk's).
+    Affine ahead;
+    for (const PlannedNode& pn : st.nodes) {
+      for (size_t i = 0; i < pn.uses.size(); ++i) {
+        if (copied_in(*pn.node, pn.node->uses[i]) && copied_ahead(st, pn, i)) {
+          ahead.per_row += bytes_per_row(pn.node->uses[i].ref.meta, pn.uses[i], st.batch);
+        }
+      }
+    }
+    cur_ += ahead;
     std::vector<char> adopted(st.slots.size(), 0); // partials that became accumulators
     auto slot_bytes = [&](int32_t i) {
       const Slot& sl = st.slots[i];
@@ -176,7 +187,8 @@ class Simulator {
             } else if (!on_host(n.uses[i].ref.buf.get())) {
               out.bytes += touch(n.uses[i].ref.buf.get(), n.uses[i].ref.meta.extent_bytes());
             }
-          } else if (bd.bind == Bind::kNarrow && (bd.outer != 1 || copied_in(n, n.uses[i]))) {
+          } else if (bd.bind == Bind::kNarrow && (bd.outer != 1 || copied_in(n, n.uses[i])) &&
+                     !(copied_in(n, n.uses[i]) && copied_ahead(st, pn, i))) {
             // A gathered copy, or the chunk's rows of a host-held value copied to the device.
             copies.per_row += bytes_per_row(n.uses[i].ref.meta, bd, st.batch);
           }
@@ -230,6 +242,7 @@ class Simulator {
         if (live[i] == 1) cur_ -= slot_bytes(static_cast<int32_t>(i));
       }
     }
+    cur_ -= ahead;
     for (LazyBuffer* b : st.release_after) release(b);
   }
 

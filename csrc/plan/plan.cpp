@@ -73,6 +73,23 @@ std::string node_line(const PlannedNode& pn) {
 
 } // namespace
 
+bool copied_ahead(const Stage& st, const PlannedNode& pn, size_t i) {
+  if (!st.loop || pn.uses.size() <= i) return false;
+  const Bound& bd = pn.uses[i];
+  const Use& u = pn.node->uses[i];
+  if (bd.bind != Bind::kNarrow || bd.outer != 1 || u.write || pn.node->upload) return false;
+  const LazyBuffer* b = u.ref.buf.get();
+  for (const PlannedNode& other : st.nodes) {
+    for (const Def& d : other.node->defs) {
+      if (d.ref.buf.get() == b) return false;
+    }
+    for (const Use& w : other.node->uses) {
+      if (w.write && w.ref.buf.get() == b) return false;
+    }
+  }
+  return true;
+}
+
 std::vector<StageTransfers> plan_transfers(const Plan& plan) {
   std::vector<const LazyBuffer*> host;
   auto on_host = [&](const LazyBuffer* b) {
@@ -114,6 +131,7 @@ std::vector<StageTransfers> plan_transfers(const Plan& plan) {
         if (!u.write_only) t.h2d += in;
         if (u.write) t.d2h += in;
         t.copies += copies * ((u.write_only ? 0 : 1) + (u.write ? 1 : 0));
+        if (st.loop && copied_ahead(st, pn, i)) t.ahead += copies;
         note(u.ref.buf.get(), in);
       }
       for (size_t j = 0; j < n.defs.size(); ++j) {
@@ -167,6 +185,7 @@ std::string Plan::to_string(bool nodes) const {
       os << "    transfers: " << format_bytes(t.h2d) << " in, " << format_bytes(t.d2h) << " out in " << t.copies
          << (t.copies == 1 ? " copy" : " copies") << ", predicted "
          << format_seconds(predicted_copy_seconds(t.h2d) + predicted_copy_seconds(t.d2h));
+      if (t.ahead > 0) os << " (" << t.ahead << " started a chunk ahead, while the chunk before computes)";
       for (size_t k = 0; k < t.values.size(); ++k) {
         os << (k ? "," : ";") << " b" << t.values[k].first->id << " " << format_bytes(t.values[k].second);
       }

@@ -216,12 +216,19 @@ struct Plan {
   std::string to_string(bool nodes = false) const;
 };
 
+// Whether use `i` of `pn` in loop stage `st`, when its value is held in host memory, has each chunk's
+// rows copied to the device ahead of the node (execute/transfer.h PendingCopy: the next chunk's rows
+// start crossing once the node has read this chunk's): rows of the chunk, read only, of a value no
+// node of the stage writes. The memory model holds one such copy per use across the whole loop.
+bool copied_ahead(const Stage& st, const PlannedNode& pn, size_t i);
+
 // The copies across the host/device boundary one stage makes (execute/transfer.h): host-held values
 // its kernels read (their chunks' rows, or whole per node run) and write back, uploads into device
 // memory, results it assembles in host memory.
 struct StageTransfers {
   int64_t h2d = 0, d2h = 0;       // bytes each way over the whole stage (every chunk)
   int64_t copies = 0;             // copies made
+  int64_t ahead = 0;              // of them, started ahead of their reader (copied_ahead)
   std::vector<std::pair<const LazyBuffer*, int64_t>> values; // host-held values crossing, with their bytes
 };
 // Per stage, in order. Buffers held in host memory before the plan, or assembled there by its loops,

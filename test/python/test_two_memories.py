@@ -142,3 +142,59 @@ def test_a_node_that_fails_leaves_no_device_copy_for_the_next():
         with pytest.raises((IndexError, RuntimeError), match="lazymem: .*index"):
             bad.cpu()
     torch.testing.assert_close(got, xh.tanh()[4:8] * 2)  # (tanh ran split: float64 tolerance)
+
+
+def held_in_host_memory(xh):
+    """y = tanh(x) (as large as x) made under a device that cannot hold it, held by the user:
+    assembled in host memory, so later programs read it chunk by chunk across the boundary."""
+    y = xh.to("lazymem").tanh()
+    y.sum().item()
+    y.cos().sum().item()
+    return y
+
+
+def test_the_next_chunks_rows_cross_while_this_chunk_computes():
+    """A pass reading a host-held value (16 MiB under a 6 MiB device) starts copying each chunk's rows
+    while the chunk before computes, on the copy worker (DESIGN.md §3): every chunk's rows come in
+    ahead; the copy in flight is held in the memory model across the loop, so the measured peak stays
+    within the prediction and the cap; eager's value."""
+    torch.manual_seed(0)
+    xh = torch.randn(2048, 1024, dtype=torch.float64)
+    with simulated_device("6MiB", link="1GB/s"):
+        y = held_in_host_memory(xh)
+        torch_lazymem.reset_stats()
+        torch.lazymem.reset_peak_memory_stats()
+        got = (y * 2).exp().sin().sum().item()
+        s = torch_lazymem.stats()
+        text = torch_lazymem.explain(print_it=False)
+        peak = torch.lazymem.max_memory_allocated()
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), (xh.tanh() * 2).exp().sin().sum())
+    assert s["chunks"] >= 3 and s["h2d_ahead"] == s["chunks"], s
+    assert s["h2d_bytes"] == xh.nbytes, s
+    assert peak <= s["predicted_peak_bytes"] and peak <= 6 * MIB, (peak, s)
+    assert "started a chunk ahead, while the chunk before computes" in text, text
+
+
+@pytest.mark.parametrize("failure", range(1, 13))
+def test_an_allocation_failure_with_a_copy_in_flight_loses_nothing(failure):
+    """The n-th allocation fails while copies started ahead are in flight (the chunk runs again
+    smaller: copies of rows that no longer come are dropped once they end, and its rows are copied
+    again): eager's value, or a lazymem out-of-memory error after which nothing is lost."""
+    from torch_lazymem.testing import fail_allocation, injected_failures
+
+    torch.manual_seed(0)
+    xh = torch.randn(2048, 1024, dtype=torch.float64)
+    want = (xh.tanh() * 2).exp().sin().sum()
+    with simulated_device("6MiB", link="25GB/s"):
+        y = held_in_host_memory(xh)
+        z = (y * 2).exp().sin().sum()
+        fired = injected_failures()
+        fail_allocation(failure)
+        try:
+            got = z.item()
+        except torch.OutOfMemoryError as e:
+            assert "lazymem" in str(e)
+            got = z.item()
+        assert torch.lazymem.max_memory_allocated() <= 6 * MIB
+        assert injected_failures() == fired + 1
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want)
