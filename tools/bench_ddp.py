@@ -26,9 +26,9 @@ import copy
 import datetime
 import gc
 import os
-import socket
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -117,13 +117,13 @@ def timed(trainer: Trainer, rows: int, step: int, rank: int, context) -> tuple[f
     return slowest(ms), loss
 
 
-def rank_main(rank: int, size: int, port: int, args, out: dict) -> None:
+def rank_main(rank: int, size: int, store: str, args, out: dict) -> None:
     import torch_lazymem
     from torch_lazymem.testing import memory_cap, simulated_device
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=600))
     cap = args.capacity * MiB
     base = mlp()
     b_e = largest_eager(base, cap, rank)
@@ -198,9 +198,9 @@ def rank_main(rank: int, size: int, port: int, args, out: dict) -> None:
     dist.destroy_process_group()
 
 
-def _entry(rank, size, port, args, queue):
+def _entry(rank, size, store, args, queue):
     out: dict = {}
-    rank_main(rank, size, port, args, out)
+    rank_main(rank, size, store, args, out)
     if rank == 0:
         queue.put(out)
 
@@ -211,16 +211,15 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--factor", type=int, default=8)
     args = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_entry, args=(r, 2, port, args, queue)) for r in range(2)]
-    for pr in procs:
-        pr.start()
-    for pr in procs:
-        pr.join()
+    # The ranks meet through a file store (no port to choose, so none to lose to another process).
+    with tempfile.TemporaryDirectory() as d:
+        procs = [ctx.Process(target=_entry, args=(r, 2, os.path.join(d, "store"), args, queue)) for r in range(2)]
+        for pr in procs:
+            pr.start()
+        for pr in procs:
+            pr.join()
     if any(pr.exitcode != 0 for pr in procs):
         print("a rank failed", file=sys.stderr)
         return 1

@@ -1,6 +1,9 @@
 """Runs a function on N ranks of a gloo process group, each a fresh process (torch.multiprocessing's
 spawn context), and returns what each rank returned. A rank that raises fails the caller with its
 traceback; ranks still running after `timeout` seconds are killed and fail it too (a hang is a bug).
+The ranks meet through a file store in a temporary directory (init_method="file://..."), as PyTorch's
+own MultiProcessTestCase does: no port is chosen, so none can be taken by another process between
+choosing it and binding it.
 
 Used by test_distributed.py; the functions it runs live in dist_programs.py (importable by name in
 the spawned processes)."""
@@ -9,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import tempfile
 import traceback
 
@@ -17,21 +19,15 @@ import torch
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(fn, rank: int, size: int, port: int, out_dir: str, args: tuple, pg_timeout: float) -> None:
+def _entry(fn, rank: int, size: int, store: str, out_dir: str, args: tuple, pg_timeout: float) -> None:
     result: object
     try:
         import torch.distributed as dist
 
         import torch_lazymem  # noqa: F401 - registers the lazymem device and its c10d backend
 
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=pg_timeout))
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=pg_timeout))
         try:
             result = ("ok", fn(rank, size, *args))
         finally:
@@ -46,9 +42,9 @@ def run_ranks(fn, size: int, *args, timeout: float = 240.0, pg_timeout: float = 
     """fn(rank, size, *args) on `size` ranks; returns the list of their results. With allow_errors,
     returns ("ok", value) / ("error", traceback) / ("missing", None) per rank instead of raising."""
     ctx = mp.get_context("spawn")
-    port = free_port()
     with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=_entry, args=(fn, r, size, port, d, args, pg_timeout)) for r in range(size)]
+        store = os.path.join(d, "store")  # (created by the first rank; results go beside it)
+        procs = [ctx.Process(target=_entry, args=(fn, r, size, store, d, args, pg_timeout)) for r in range(size)]
         for p in procs:
             p.start()
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)

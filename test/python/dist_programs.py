@@ -552,3 +552,13 @@ def sync_batch_norm(rank: int, size: int, chunks: int) -> list[float]:
     for (name, b), q in zip(m.named_buffers(), ref.buffers()):
         torch.testing.assert_close(b.cpu(), q, msg=lambda msg, name=name: f"SyncBN buffer {name}: {msg}")
     return losses
+
+
+def rendezvous(rank: int, size: int) -> tuple[str, str | None]:
+    """The store the ranks met through (under any prefix stores), and MASTER_PORT as the rank sees it."""
+    import os
+
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return type(store).__name__, os.environ.get("MASTER_PORT")

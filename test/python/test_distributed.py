@@ -31,6 +31,14 @@ def test_collectives_equal_gloo_on_cpu_tensors_and_bad_ones_raise_lazymem_errors
         assert all(m.startswith("lazymem: ") for m in messages), messages
 
 
+def test_ranks_meet_through_a_file_store_and_choose_no_port():
+    """The harness chose a free port and the ranks bound it later: another process could take it in
+    between (a flaky CI on a busy machine). They meet through a file store in a temporary directory
+    instead, as PyTorch's MultiProcessTestCase does: no port is chosen at all."""
+    for kind, port in run_ranks(P.rendezvous, 2):
+        assert kind == "FileStore" and port is None, (kind, port)
+
+
 def test_collectives_on_three_ranks():
     assert run_ranks(P.collectives, 3)[0] == {"collectives": 18}
 
