@@ -1,10 +1,9 @@
 """Progress of long materializations: a tqdm bar of chunks done while a split plan runs, shown when
 the run is expected to take longer than about two seconds, on a terminal only (stderr a TTY), and
-never when ``LAZYMEM_PROGRESS=0``. The C++ executor calls ``report`` (installed at import)."""
+never when ``LAZYMEM_PROGRESS`` is off (0, false, off: the flags' one parse, core/config.h). The C++ executor calls ``report`` (installed at import)."""
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
@@ -12,7 +11,9 @@ _bar: Any = None
 
 
 def _wanted() -> bool:
-    if os.environ.get("LAZYMEM_PROGRESS", "1") == "0":
+    from . import _C
+
+    if _C._env_flag("LAZYMEM_PROGRESS") is False:
         return False
     stream = sys.stderr
     return bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())

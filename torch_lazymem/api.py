@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Union
 
 import torch
@@ -44,13 +45,30 @@ def set_debug(level: Union[bool, int] = True) -> None:
     _C._set_debug(int(level))
 
 
+def byte_size(value: Union[int, str], what: str) -> int:
+    """``value`` in bytes: a non-negative integer, or a string such as ``"256MiB"`` or ``"2GB"``. The one
+    validation of every byte argument (budgets, thresholds, capacities): a bool, a float or any other
+    type is a TypeError, a negative size or a string that does not parse whole a ValueError, each a
+    ``lazymem:`` error naming ``what``."""
+    if isinstance(value, str):
+        nbytes = int(_C._parse_bytes(value))
+    elif isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"lazymem: {what} must be a number of bytes or a string such as '256MiB', got {value!r}")
+    else:
+        nbytes = operator.index(value)
+    if nbytes < 0:
+        raise ValueError(f"lazymem: {what} must be non-negative, got {value!r}")
+    return nbytes
+
+
 def set_flush_threshold(nodes: int = 0, bytes: Union[int, str] = 0) -> None:
     """Runs the pending program automatically once ``nodes`` ops are pending or its new buffers
     would take ``bytes`` (0 disables each)."""
-    nbytes = _C._parse_bytes(bytes) if isinstance(bytes, str) else int(bytes)
-    if nodes < 0 or nbytes < 0:
-        raise ValueError(f"lazymem: flush thresholds must be non-negative, got nodes={nodes}, bytes={bytes}")
-    _C._set_flush_threshold(int(nodes), nbytes)
+    if isinstance(nodes, bool) or not hasattr(type(nodes), "__index__"):
+        raise TypeError(f"lazymem: the flush threshold's nodes must be an integer, got {nodes!r}")
+    if operator.index(nodes) < 0:
+        raise ValueError(f"lazymem: the flush threshold's nodes must be non-negative, got {nodes!r}")
+    _C._set_flush_threshold(operator.index(nodes), byte_size(bytes, "the flush threshold's bytes"))
 
 
 def set_memory_budget(budget: Union[int, str, None]) -> None:
@@ -61,12 +79,7 @@ def set_memory_budget(budget: Union[int, str, None]) -> None:
     if budget is None:
         _C._set_memory_budget(-1)
         return
-    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
-        raise TypeError(f"lazymem: set_memory_budget expects bytes, a string such as '6GiB', or None; got {budget!r}")
-    nbytes = _C._parse_bytes(budget) if isinstance(budget, str) else int(budget)
-    if nbytes < 0:
-        raise ValueError(f"lazymem: the memory budget must be non-negative, got {budget!r}")
-    _C._set_memory_budget(nbytes)
+    _C._set_memory_budget(byte_size(budget, "the memory budget"))
 
 
 def set_recompute(enabled: bool | None = True) -> None:

@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include <c10/util/Exception.h>
+
 #include "core/check.h"
 
 namespace lazymem {
@@ -102,27 +104,76 @@ void Stats::reset() {
   copy_wait_ns = 0;
 }
 
+namespace {
+
+std::string trimmed_lower(const std::string& v) {
+  size_t a = 0, b = v.size();
+  while (a < b && std::isspace(static_cast<unsigned char>(v[a]))) ++a;
+  while (b > a && std::isspace(static_cast<unsigned char>(v[b - 1]))) --b;
+  std::string out;
+  for (size_t i = a; i < b; ++i) out += static_cast<char>(std::tolower(static_cast<unsigned char>(v[i])));
+  return out;
+}
+
+} // namespace
+
+std::optional<bool> parse_flag(const std::string& value) {
+  const std::string v = trimmed_lower(value);
+  if (v == "1" || v == "true" || v == "on" || v == "yes") return true;
+  if (v == "0" || v == "false" || v == "off" || v == "no") return false;
+  return std::nullopt;
+}
+
+std::optional<bool> env_flag(const char* name) {
+  const char* raw = std::getenv(name);
+  if (!raw || trimmed_lower(raw).empty()) return std::nullopt;
+  std::optional<bool> v = parse_flag(raw);
+  if (!v) TORCH_WARN("lazymem: ignoring ", name, "='", raw, "': use 1, true, on, 0, false or off");
+  return v;
+}
+
+std::optional<uint64_t> env_count(const char* name) {
+  const char* raw = std::getenv(name);
+  if (!raw) return std::nullopt;
+  const std::string v = trimmed_lower(raw);
+  if (v.empty()) return std::nullopt;
+  bool digits = v.size() <= 19;
+  for (char ch : v) digits = digits && std::isdigit(static_cast<unsigned char>(ch));
+  if (!digits) {
+    TORCH_WARN("lazymem: ignoring ", name, "='", raw, "': use a non-negative integer");
+    return std::nullopt;
+  }
+  return std::strtoull(v.c_str(), nullptr, 10);
+}
+
 static Config* make_config() {
   auto* c = new Config();
   if (const char* d = std::getenv("LAZYMEM_DEBUG")) {
-    c->debug = std::atoi(d) > 0 ? std::atoi(d) : (std::string(d).empty() || std::string(d) == "0" ? 0 : 1);
+    // A level (0, 1, 2, 3), or an on/off flag (on: 1).
+    const std::string v = trimmed_lower(d);
+    if (!v.empty() && v.size() <= 2 && std::isdigit(static_cast<unsigned char>(v[0])) &&
+        std::isdigit(static_cast<unsigned char>(v.back()))) {
+      c->debug = std::atoi(v.c_str());
+    } else if (std::optional<bool> on = env_flag("LAZYMEM_DEBUG")) {
+      c->debug = *on ? 1 : 0;
+    }
   }
-  if (const char* p = std::getenv("LAZYMEM_PLAN_CACHE")) c->plan_cache = std::string(p) != "0";
+  if (std::optional<bool> v = env_flag("LAZYMEM_PLAN_CACHE")) c->plan_cache = *v;
   if (const char* p = std::getenv("LAZYMEM_RECOMPUTE")) {
-    const std::string v(p);
-    c->recompute = v == "0" ? 0 : (v == "auto" || v.empty() ? -1 : 1);
+    // auto (the priced default), or an on/off flag.
+    if (trimmed_lower(p) == "auto") {
+      c->recompute = -1;
+    } else if (std::optional<bool> v = env_flag("LAZYMEM_RECOMPUTE")) {
+      c->recompute = *v ? 1 : 0;
+    }
   }
-  if (const char* p = std::getenv("LAZYMEM_CHECK_TAPE")) c->check_tape = std::string(p) == "1";
-  if (const char* p = std::getenv("LAZYMEM_CHECK_BOUNDARY")) c->check_boundary = std::string(p) == "1";
-  if (const char* n = std::getenv("LAZYMEM_FLUSH_NODES")) {
-    c->flush_threshold_nodes = std::strtoull(n, nullptr, 10);
-  }
+  if (std::optional<bool> v = env_flag("LAZYMEM_CHECK_TAPE")) c->check_tape = *v;
+  if (std::optional<bool> v = env_flag("LAZYMEM_CHECK_BOUNDARY")) c->check_boundary = *v;
+  if (std::optional<uint64_t> n = env_count("LAZYMEM_FLUSH_NODES")) c->flush_threshold_nodes = *n;
   if (const char* b = std::getenv("LAZYMEM_FLUSH_BYTES")) {
-    c->flush_threshold_bytes = static_cast<uint64_t>(parse_bytes(b));
+    if (*b) c->flush_threshold_bytes = static_cast<uint64_t>(parse_bytes(b));
   }
-  if (const char* m = std::getenv("LAZYMEM_META_CACHE_SIZE")) {
-    c->meta_cache_capacity = std::strtoull(m, nullptr, 10);
-  }
+  if (std::optional<uint64_t> n = env_count("LAZYMEM_META_CACHE_SIZE")) c->meta_cache_capacity = *n;
   if (const char* m = std::getenv("LAZYMEM_MEMORY_BUDGET")) {
     if (*m) c->memory_budget = parse_bytes(m);
   }
@@ -141,7 +192,11 @@ int64_t parse_bytes(const std::string& text) {
   while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.')) ++i;
   LAZYMEM_CHECK_VALUE(i > start, "cannot parse a byte size from '", text,
                       "'; use a number of bytes or a string such as '256MiB' or '2GB'");
-  double value = std::strtod(text.substr(start, i - start).c_str(), nullptr);
+  const std::string number = text.substr(start, i - start);
+  char* end = nullptr;
+  double value = std::strtod(number.c_str(), &end);
+  LAZYMEM_CHECK_VALUE(end == number.c_str() + number.size(), "cannot parse a byte size from '", text,
+                      "': '", number, "' is not a number; use a number of bytes or a string such as '256MiB'");
   while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
   std::string unit;
   for (; i < text.size(); ++i) {

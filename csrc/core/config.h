@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 
 #include <c10/core/Device.h>
@@ -101,6 +102,16 @@ struct Config {
   std::atomic<double> link_bandwidth{0.0};
 };
 Config& config();
+
+// Every on/off setting in the environment reads the same: 1, true, on or yes turn it on; 0, false, off
+// or no turn it off (any case, surrounding spaces ignored). parse_flag: nullopt for anything else.
+// env_flag: nullopt when the variable is unset or empty, and, with a warning naming the variable and
+// its value, when it is none of those.
+std::optional<bool> parse_flag(const std::string& value);
+std::optional<bool> env_flag(const char* name);
+// A count from the environment (LAZYMEM_FLUSH_NODES): nullopt when unset or empty, and, with a
+// warning, when it is not a non-negative integer.
+std::optional<uint64_t> env_count(const char* name);
 
 // Parses "256MiB", "1.5GB", "4096" into bytes; throws a lazymem: ValueError on bad input.
 int64_t parse_bytes(const std::string& text);

@@ -111,10 +111,7 @@ constexpr size_t kHeader = sizeof(Header);
 // too, which the sanitizers do not instrument — and a read of memory nothing wrote fails loudly
 // instead of reading another buffer's bytes.
 bool guard_freed() {
-  static const bool on = [] {
-    const char* v = std::getenv("LAZYMEM_GUARD_FREED");
-    return v && *v && std::string(v) != "0";
-  }();
+  static const bool on = env_flag("LAZYMEM_GUARD_FREED").value_or(false);
   return on;
 }
 

@@ -196,6 +196,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("_eager_allocated", [] { return eager_counter().allocated(); });
   m.def("_eager_peak", [] { return eager_counter().peak(); });
   m.def("_parse_bytes", wrap([](const std::string& s) { return parse_bytes(s); }));
+  m.def("_parse_flag", [](const std::string& s) { return parse_flag(s); });
+  m.def("_env_flag", [](const std::string& name) { return env_flag(name.c_str()); });
   m.def("_format_bytes", [](int64_t n) { return format_bytes(n); });
 
   m.def("_dist_backend", wrap([](c10::intrusive_ptr<c10d::Backend> inner, int rank, int size) {

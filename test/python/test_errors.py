@@ -90,7 +90,7 @@ def test_device_and_argument_errors():
             pass
     with pytest.raises(ValueError, match="lazymem: unknown byte unit 'parsecs'"):
         torch_lazymem.set_flush_threshold(bytes="3parsecs")
-    with pytest.raises(ValueError, match="lazymem: flush thresholds must be non-negative"):
+    with pytest.raises(ValueError, match="lazymem: the flush threshold's nodes must be non-negative"):
         torch_lazymem.set_flush_threshold(nodes=-1)
     with pytest.raises(TypeError, match="lazymem: capacity must be"):
         with simulated_device(1.5):  # type: ignore[arg-type]
@@ -119,3 +119,75 @@ def test_changing_the_backing_device_with_live_data_is_refused():
     x.cpu()
     torch_lazymem.set_backing_device("cpu")  # same device: fine
     assert torch_lazymem.backing_device() == torch.device("cpu")
+
+
+# One validation of byte arguments (set_memory_budget, set_flush_threshold, simulated_device,
+# memory_cap): each bad input is a lazymem: error naming the argument, and changes nothing.
+BAD_SIZES = [
+    (True, TypeError, "must be a number of bytes"),
+    (False, TypeError, "must be a number of bytes"),
+    (1.5, TypeError, "must be a number of bytes"),
+    ([1], TypeError, "must be a number of bytes"),
+    (-1, ValueError, "must be non-negative"),
+    ("1.2.3GB", ValueError, "'1.2.3' is not a number"),
+    ("..MiB", ValueError, "'..' is not a number"),
+    ("lots", ValueError, "cannot parse a byte size from 'lots'"),
+    ("3parsecs", ValueError, "unknown byte unit 'parsecs'"),
+    ("-5MiB", ValueError, "cannot parse a byte size"),
+]
+
+
+@pytest.mark.parametrize("value,error,message", BAD_SIZES, ids=[repr(v[0]) for v in BAD_SIZES])
+def test_every_byte_argument_is_validated_the_same_way(value, error, message):
+    from torch_lazymem.testing import memory_cap
+
+    budget = torch_lazymem.memory_budget()
+    with pytest.raises(error, match=f"lazymem: the memory budget .*{message}|lazymem: .*{message}"):
+        torch_lazymem.set_memory_budget(value)
+    with pytest.raises(error, match=f"lazymem: .*{message}"):
+        torch_lazymem.set_flush_threshold(bytes=value)
+    with pytest.raises(error, match=f"lazymem: .*{message}"), simulated_device(value):
+        pass
+    with pytest.raises(error, match=f"lazymem: .*{message}"), memory_cap(value):
+        pass
+    assert torch_lazymem.memory_budget() == budget
+
+
+def test_byte_arguments_that_are_right():
+    assert torch_lazymem.api.byte_size("1.5GB", "x") == 1_500_000_000
+    assert torch_lazymem.api.byte_size(" 2 MiB ", "x") == 2 << 20
+    assert torch_lazymem.api.byte_size(4096, "x") == 4096
+    import numpy as np
+
+    assert torch_lazymem.api.byte_size(np.int64(7), "x") == 7  # an integer type with __index__
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("1", True), ("true", True), ("ON", True), (" yes ", True), ("True", True),
+    ("0", False), ("false", False), ("Off", False), ("no", False),
+    ("2", None), ("maybe", None), ("", None), ("01", None),
+])
+def test_flags_parse_one_way(text, expected):
+    assert torch_lazymem._C._parse_flag(text) is expected
+
+
+def test_an_environment_flag_spelled_false_turns_it_off_and_a_bad_one_warns():
+    """LAZYMEM_RECOMPUTE=false used to leave recompute on (only "0" was off); LAZYMEM_CHECK_TAPE=on
+    was off (only "1" was on). Every on/off flag reads one way now, and a value that is neither warns
+    and leaves the default."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import warnings\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import torch_lazymem as T\n"
+            "    print(T.recompute(), T._C._plan_cache(), T._C._debug(), [str(x.message) for x in w])\n")
+    env = dict(os.environ, LAZYMEM_RECOMPUTE="false", LAZYMEM_PLAN_CACHE="off", LAZYMEM_DEBUG="on")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.startswith("False False 1 []"), out
+    env = dict(os.environ, LAZYMEM_RECOMPUTE="sometimes", LAZYMEM_PLAN_CACHE="No", LAZYMEM_DEBUG="0")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert run.stdout.startswith("None False 0"), run.stdout
+    assert "lazymem: ignoring LAZYMEM_RECOMPUTE='sometimes'" in run.stdout + run.stderr, run

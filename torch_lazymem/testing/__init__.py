@@ -16,21 +16,13 @@ from collections.abc import Callable, Iterator
 from typing import Any, Union
 
 from .. import _C
-from ..api import backing_device, set_backing_device
+from ..api import backing_device, byte_size, set_backing_device
 
 Capacity = Union[int, str]
 
 
 def parse_bytes(capacity: Capacity) -> int:
-    if isinstance(capacity, bool):
-        raise TypeError(f"lazymem: capacity must be a number of bytes or a string such as '256MiB', got {capacity!r}")
-    if isinstance(capacity, int):
-        if capacity < 0:
-            raise ValueError(f"lazymem: capacity must be non-negative, got {capacity}")
-        return capacity
-    if isinstance(capacity, str):
-        return int(_C._parse_bytes(capacity))
-    raise TypeError(f"lazymem: capacity must be a number of bytes or a string such as '256MiB', got {capacity!r}")
+    return byte_size(capacity, "capacity")
 
 
 def parse_bandwidth(link: Union[int, float, str, None]) -> float:
