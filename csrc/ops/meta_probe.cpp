@@ -9,6 +9,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <ATen/OpMathType.h>
+#include <c10/util/hash.h>
 
 #include "core/runtime.h"
 
@@ -75,7 +76,7 @@ Key make_key(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args
     k.words.push_back(-2);
   }
   size_t h = 1469598103934665603ull;
-  for (int64_t x : k.words) h ^= static_cast<size_t>(x) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+  for (int64_t x : k.words) h = c10::hash_combine(h, static_cast<size_t>(x));
   k.hash = h;
   return k;
 }

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <c10/util/hash.h>
 
 #include "core/check.h"
 #include "core/config.h"
@@ -54,11 +55,6 @@ struct KeyWriter {
     n += count;
   }
 };
-
-uint64_t mix(uint64_t h, uint64_t v) {
-  h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
-  return h;
-}
 
 std::atomic<uint64_t> g_stamps{uint64_t{1} << 60}; // apart from the memory model's stamps
 
@@ -162,7 +158,7 @@ void fingerprint(const PlanInput& in, Fingerprint& fp) {
   // The hash only picks the candidate entry (keys are compared whole): a sample of the key.
   uint64_t h = fp.words;
   const size_t step = std::max<size_t>(1, fp.words / 64);
-  for (size_t i = 0; i < fp.words; i += step) h = mix(h, fp.key[i]);
+  for (size_t i = 0; i < fp.words; i += step) h = c10::hash_combine(h, fp.key[i]);
   fp.hash = h;
 }
 

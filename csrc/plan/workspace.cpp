@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <c10/util/hash.h>
 
 namespace lazymem {
 namespace {
@@ -11,7 +12,7 @@ namespace {
 struct Hasher {
   uint64_t h = 1469598103934665603ull;
   void add(uint64_t x) {
-    h ^= x + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    h = c10::hash_combine(h, x);
   }
   void add_double(double d) {
     uint64_t b;

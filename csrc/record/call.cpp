@@ -3,6 +3,7 @@
 
 #include <cstring>
 #include <functional>
+#include <c10/util/hash.h>
 
 #include "core/check.h"
 #include "device/phantom.h"
@@ -199,9 +200,7 @@ void analyze_call(Call& call, bool allow_constants) {
     a.value(call.arg(i), static_cast<int32_t>(i), -1, false);
   }
   size_t h = 1469598103934665603ull;
-  for (int64_t x : call.key.words) {
-    h ^= static_cast<size_t>(x) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
-  }
+  for (int64_t x : call.key.words) h = c10::hash_combine(h, static_cast<size_t>(x));
   call.key.hash = h;
 }
 
