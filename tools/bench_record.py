@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from _table import print_table  # tools/_table.py: the script's directory is on sys.path
 
 import torch_lazymem
 
@@ -202,20 +203,12 @@ def main() -> None:
          f"bitwise equal to eager: {b['equal']}"),
     ]
     head = ("measurement", "lazymem", "eager CPU", "ratio", "goal", "ok", "notes")
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-
-    def line(r: tuple[str, ...]) -> str:
-        return "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
-
     print(f"torch {torch.__version__} | threads {torch.get_num_threads()} | "
           f"backing device {torch_lazymem.backing_device()} | torch_lazymem {torch_lazymem.__version__}")
     print(f"{args.stat} of {reps} reps ({mlp_reps} for the MLP) after warm-ups; time.perf_counter"
           f"{' | --quick' if args.quick else ''}")
     print()
-    print(line(head))
-    print(line(tuple("-" * w for w in widths)))
-    for r in rows:
-        print(line(r))
+    print_table(head, rows)
     print()
     print(f"(a) .item() equal to eager: {a['equal']}; total benchmark time {total:.1f} s")
 

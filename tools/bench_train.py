@@ -43,6 +43,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _table import print_table  # tools/_table.py: the script's directory is on sys.path
 
 import torch_lazymem
 
@@ -189,18 +190,6 @@ def bench(case: Case, warmup: int, reps: int, agg: Callable[[list[float]], float
             "faults": {k: v / reps for k, v in flt.items()},
             "stats": {k: v / reps for k, v in st.items() if k not in ("pending_nodes", "peak_bytes")},
             **{k: agg(v) for k, v in t.items()}}
-
-
-def print_table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-
-    def line(r: tuple[str, ...]) -> str:
-        return "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
-
-    print(line(head))
-    print(line(tuple("-" * w for w in widths)))
-    for r in rows:
-        print(line(r))
 
 
 def main() -> None:

@@ -10,11 +10,15 @@ os.environ.setdefault("LAZYMEM_CHECK_TAPE", "1")
 # Kernels are handed device memory only (DESIGN.md §3, execute/transfer.h): checked in every test.
 os.environ.setdefault("LAZYMEM_CHECK_BOUNDARY", "1")
 
+from typing import Any  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_map_only  # noqa: E402
 
 import torch_lazymem  # noqa: E402
+from torch_lazymem.testing.compare import compare  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -29,12 +33,16 @@ def _clean_program():
 
 
 def assert_bitwise(lazy: torch.Tensor, expected: torch.Tensor) -> None:
-    """lazymem on the CPU backing device runs the same kernels on the same data as eager CPU."""
+    """lazymem on the CPU backing device runs the same kernels on the same data as eager CPU: equal
+    dtype, shape and values (assert_close with rtol=atol=0 and equal_nan; -0.0 equals 0.0)."""
     assert lazy.device.type == "lazymem"
-    got = lazy.cpu()
-    assert got.dtype == expected.dtype, (got.dtype, expected.dtype)
-    assert got.shape == expected.shape, (got.shape, expected.shape)
-    assert torch.equal(got, expected), (got, expected)
+    result = compare(expected, lazy.cpu())
+    assert result.equal, result.message
+
+
+def to_lazy(obj: Any) -> Any:
+    """`obj` with every tensor moved to lazymem, any pytree (tuples, namedtuples, lists, dicts) keeping its type."""
+    return tree_map_only(torch.Tensor, lambda t: t.to("lazymem"), obj)
 
 
 class OpTrace(TorchDispatchMode):

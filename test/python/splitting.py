@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from conftest import to_lazy
 
 import torch_lazymem
 from torch_lazymem.testing import force_chunks, memory_cap, parse_bytes, simulated_device
@@ -29,14 +30,6 @@ def batch_of(*shape: int, classes: int) -> Callable[[int], tuple[torch.Tensor, t
 
 def ce(model: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(model(b[0]), b[1])
-
-
-def to_lazy(batch: Any) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to("lazymem")
-    if isinstance(batch, dict):
-        return {k: to_lazy(v) for k, v in batch.items()}
-    return type(batch)(to_lazy(v) for v in batch)
 
 
 def assert_state_close(eager: torch.nn.Module, lazy: torch.nn.Module, opt_e=None, opt_l=None) -> None:

@@ -4,11 +4,12 @@ hidden states, input gradients, parameter gradients and trained parameters are b
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
 import torch
-from conftest import OpTrace, assert_bitwise
+from conftest import OpTrace, assert_bitwise, to_lazy
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
@@ -27,12 +28,6 @@ def flat(o):
     if isinstance(o, nn.utils.rnn.PackedSequence):
         return [o.data]
     return [t for e in o for t in flat(e)]
-
-
-def to_lazy(h):
-    if h is None:
-        return None
-    return tuple(t.to("lazymem") for t in h) if isinstance(h, tuple) else h.to("lazymem")
 
 
 def run_both(module, x, hidden=None, lengths=None, seed=0):
@@ -94,6 +89,21 @@ def test_given_initial_state_gets_gradients(name):
     h0 = torch.randn(layers, 4 if m.batch_first else 3, 6)
     hidden = (h0, torch.randn_like(h0)) if isinstance(m, nn.LSTM) else h0
     assert_same(run_both(m, x, hidden))
+
+
+def test_to_lazy_keeps_container_types():
+    """conftest.to_lazy (used for hidden states here and for batches by training.py and splitting.py)
+    moves every tensor of a pytree to lazymem and keeps its containers' types, namedtuples included."""
+    State = collections.namedtuple("State", "h c")
+    h, c, ids, mask = torch.randn(2, 3), torch.randn(2, 3), torch.arange(4), torch.ones(2, dtype=torch.bool)
+    lazy = to_lazy({"state": State(h, c), "ids": [ids, (mask, 7)], "none": None, "name": "x"})
+    assert type(lazy) is dict and list(lazy) == ["state", "ids", "none", "name"]
+    assert type(lazy["state"]) is State and type(lazy["ids"]) is list and type(lazy["ids"][1]) is tuple
+    assert lazy["ids"][1][1] == 7 and lazy["none"] is None and lazy["name"] == "x"
+    for got, want in ((lazy["state"].h, h), (lazy["state"].c, c), (lazy["ids"][0], ids), (lazy["ids"][1][0], mask)):
+        assert_bitwise(got, want)
+    assert type(to_lazy(State(h, c))) is State and to_lazy(None) is None
+    assert_bitwise(to_lazy(h), h)
 
 
 @pytest.mark.parametrize("name", ["lstm", "gru", "rnn_tanh_bidir"])

@@ -7,16 +7,7 @@ import copy
 from typing import Any, Callable
 
 import torch
-
-
-def to_lazy(batch: Any) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to("lazymem")
-    if isinstance(batch, dict):
-        return {k: to_lazy(v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_lazy(v) for v in batch)
-    return batch
+from conftest import to_lazy  # test_train_models imports it from here too
 
 
 def train_twins(

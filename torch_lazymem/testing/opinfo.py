@@ -18,6 +18,8 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .compare import compare
+
 PASS, MISMATCH, ERROR, SKIP = "pass", "mismatch", "error", "skip"
 # Seed set before each op's samples are generated (by seeded_outcomes), so that an op sees the same
 # sample values whatever ran before it in the process: the CI subset and the report agree.
@@ -83,36 +85,6 @@ def _run(op: Any, sample: Any, seed: int) -> Any:
     return op(sample.input, *sample.args, **sample.kwargs)
 
 
-def _equal(a: Any, b: Any, shapes_only: bool) -> str:
-    fa, _ = tree_flatten(a)
-    fb, _ = tree_flatten(b)
-    if len(fa) != len(fb):
-        return f"{len(fb)} outputs instead of {len(fa)}"
-    for i, (x, y) in enumerate(zip(fa, fb)):
-        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
-            return f"output {i}: {type(y).__name__} instead of {type(x).__name__}"
-        if isinstance(x, torch.Tensor):
-            if x.shape != y.shape or x.dtype != y.dtype:
-                return f"output {i}: {tuple(y.shape)}/{y.dtype} instead of {tuple(x.shape)}/{x.dtype}"
-            if y.device.type != "cpu":
-                return f"output {i} on {y.device} after .cpu()"
-            if shapes_only:
-                continue
-            if x.is_complex():
-                x, y = torch.view_as_real(x.resolve_conj()), torch.view_as_real(y.resolve_conj())
-            if x.dtype == torch.bool or not (x.is_floating_point()):
-                if not torch.equal(x, y):
-                    return f"output {i}: values differ"
-            else:
-                same = (x == y) | (torch.isnan(x) & torch.isnan(y))
-                if not bool(same.all()):
-                    diff = (x.double() - y.double()).abs().nan_to_num(float("inf")).max().item()
-                    return f"output {i}: values differ (max abs diff {diff:.3g})"
-        elif x != y and not (x != x and y != y):
-            return f"output {i}: {y!r} instead of {x!r}"
-    return ""
-
-
 def _short(e: BaseException) -> str:
     msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {msg[:200]}"
@@ -133,9 +105,11 @@ def _compare(
     compute: Callable[[Any, Any, int], Any],
     cpu_move: Callable[[Any], Any],
     lazy_move: Callable[[Any], Any],
+    atol: float = 0.0,
 ) -> Iterator[Outcome]:
-    """One Outcome per sample: compute(op, sample, seed) on the CPU and on lazymem, compared bitwise
-    (shapes only for random ops, detected by a second CPU run with another seed)."""
+    """One Outcome per sample: compute(op, sample, seed) on the CPU and on lazymem, compared bitwise,
+    or up to an absolute difference of `atol` (shapes only for random ops, detected by a second CPU
+    run with another seed, compared bitwise)."""
     name = full_name(op)
     for i, sample in enumerate(samples):
         try:
@@ -147,7 +121,7 @@ def _compare(
             yield Outcome(name, i, SKIP, "cpu raised " + _short(e))
             continue
         try:
-            random = _equal(expected, compute(op, sample.transform(cpu_move), 4321), shapes_only=False) != ""
+            random = not compare(expected, compute(op, sample.transform(cpu_move), 4321)).equal
         except Exception:  # noqa: BLE001
             random = True
         try:
@@ -155,8 +129,8 @@ def _compare(
         except Exception as e:  # noqa: BLE001
             yield Outcome(name, i, ERROR, _short(e) + "\n" + traceback.format_exc(limit=-3), random)
             continue
-        detail = _equal(expected, got, shapes_only=random or op.name in UNINITIALIZED)
-        yield Outcome(name, i, MISMATCH if detail else PASS, detail, random)
+        result = compare(expected, got, rtol=0.0, atol=atol, shapes_only=random or op.name in UNINITIALIZED)
+        yield Outcome(name, i, PASS if result.equal else MISMATCH, result.message, random)
 
 
 def _samples(op: Any, requires_grad: bool, max_samples: int | None) -> list[Any] | Outcome:
@@ -170,13 +144,14 @@ def _samples(op: Any, requires_grad: bool, max_samples: int | None) -> list[Any]
     return samples[:max_samples] if max_samples else samples
 
 
-def run_op(op: Any, max_samples: int | None = None) -> Iterator[Outcome]:
-    """Yields one Outcome per float32 sample of `op` (forward, requires_grad=False)."""
+def run_op(op: Any, max_samples: int | None = None, atol: float = 0.0) -> Iterator[Outcome]:
+    """Yields one Outcome per float32 sample of `op` (forward, requires_grad=False); values are
+    compared bitwise, or up to an absolute difference of `atol`."""
     samples = _samples(op, False, max_samples)
     if isinstance(samples, Outcome):
         yield samples
         return
-    yield from _compare(op, samples, _run, lambda x: x, _to("lazymem"))
+    yield from _compare(op, samples, _run, lambda x: x, _to("lazymem"), atol)
 
 
 def _grad_inputs(sample: Any) -> list[torch.Tensor]:
@@ -215,9 +190,10 @@ def _grads(op: Any, sample: Any, seed: int) -> tuple[Any, ...]:
     return torch.autograd.grad(total, inputs, allow_unused=True)
 
 
-def run_op_backward(op: Any, max_samples: int | None = None) -> Iterator[Outcome]:
+def run_op_backward(op: Any, max_samples: int | None = None, atol: float = 0.0) -> Iterator[Outcome]:
     """Yields one Outcome per float32 sample of a differentiable `op`: the gradients of the sum of
-    its outputs with respect to every input that requires grad, lazymem vs CPU, compared bitwise."""
+    its outputs with respect to every input that requires grad, lazymem vs CPU, compared bitwise (or
+    up to an absolute difference of `atol`)."""
     if not op.supports_autograd:
         yield Outcome(full_name(op), -1, SKIP, "op does not support autograd")
         return
@@ -225,10 +201,11 @@ def run_op_backward(op: Any, max_samples: int | None = None) -> Iterator[Outcome
     if isinstance(samples, Outcome):
         yield samples
         return
-    yield from _compare(op, samples, _grads, _leaf("cpu"), _leaf("lazymem"))
+    yield from _compare(op, samples, _grads, _leaf("cpu"), _leaf("lazymem"), atol)
 
 
-# Modes of comparison: name -> generator of Outcomes for one op, called as runner(op, max_samples).
+# Modes of comparison: name -> generator of Outcomes for one op, called as runner(op, max_samples)
+# (or runner(op, max_samples, atol=...) to tolerate an absolute difference).
 # tools/opinfo_report.py picks them up by name (--mode forward|backward).
 RUNNERS: dict[str, Callable[..., Iterator[Outcome]]] = {"forward": run_op, "backward": run_op_backward}
 

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 import torch_lazymem
 
 from . import force_chunks, opinfo
+from .compare import compare
 
 VARIANTS = ("input", "aligned")
 
@@ -69,29 +70,6 @@ def _mark(sample: Any, variant: str) -> Any:
     return moved
 
 
-def _compare(expected: Any, got: Any, shapes_only: bool) -> str:
-    fe, _ = tree_flatten(expected)
-    fg, _ = tree_flatten(got)
-    if len(fe) != len(fg):
-        return f"{len(fg)} outputs instead of {len(fe)}"
-    for i, (x, y) in enumerate(zip(fe, fg)):
-        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
-            return f"output {i}: {type(y).__name__} instead of {type(x).__name__}"
-        if not isinstance(x, torch.Tensor):
-            if x != y and not (x != x and y != y):
-                return f"output {i}: {y!r} instead of {x!r}"
-            continue
-        if x.shape != y.shape or x.dtype != y.dtype:
-            return f"output {i}: {tuple(y.shape)}/{y.dtype} instead of {tuple(x.shape)}/{x.dtype}"
-        if shapes_only:
-            continue
-        try:
-            torch.testing.assert_close(y, x, equal_nan=True)
-        except AssertionError as e:
-            return f"output {i}: " + str(e).strip().splitlines()[0]
-    return ""
-
-
 def run_op_split(op: Any, max_samples: int | None = None, chunks: int = 3, mode: str = "forward"
                  ) -> Iterator[SplitOutcome]:
     """One outcome per sample and seeding; mode "backward" compares the gradients of the sum of the
@@ -129,7 +107,7 @@ def run_op_split(op: Any, max_samples: int | None = None, chunks: int = 3, mode:
             yield SplitOutcome(name, i, "", opinfo.SKIP, detail="cpu raised " + opinfo._short(e))
             continue
         try:  # outputs that differ between two runs with the same seed (uninitialized placeholders)
-            unstable = _compare(expected, compute(op, sample, 1234), False) != ""
+            unstable = not compare(expected, compute(op, sample, 1234), rtol=None, atol=None).equal
         except Exception:  # noqa: BLE001
             unstable = True
         for variant in VARIANTS:
@@ -146,9 +124,10 @@ def run_op_split(op: Any, max_samples: int | None = None, chunks: int = 3, mode:
             # Split random ops draw eager's numbers (DESIGN.md §7 RNG): compared in full, but where
             # their draws are keyed by batch rows (a CUDA kernel no stream reproduces).
             shapes_only = unstable or stats["random_row_keyed"] > 0 or op.name in opinfo.UNINITIALIZED
-            detail = _compare(expected, got, shapes_only)
-            yield SplitOutcome(name, i, variant, opinfo.MISMATCH if detail else opinfo.PASS,
-                               stats["splits"] > 0, stats["barriers"], detail)
+            # assert_close's default tolerances for the dtype (rtol=atol=None).
+            result = compare(expected, got, rtol=None, atol=None, shapes_only=shapes_only)
+            yield SplitOutcome(name, i, variant, opinfo.PASS if result.equal else opinfo.MISMATCH,
+                               stats["splits"] > 0, stats["barriers"], result.message)
 
 
 def seeded(op: Any, max_samples: int | None = None, chunks: int = 3, mode: str = "forward"
