@@ -12,7 +12,7 @@ a crashing op counts as a failure. Each worker streams its records (JSON lines) 
 so the ops a dead batch had finished keep their results.
 
 To check the crash handling itself, OPINFO_REPORT_FAKE_CRASH=op1,op2 in the environment makes the
-workers segfault when they reach those ops.
+workers segfault when they reach those ops. The workers and their scheduler are tools/_workers.py's.
 
 Modes: ``--mode`` picks an entry of opinfo.RUNNERS: "forward" (outputs) or "backward" (gradients).
 Nothing else here depends on the mode.
@@ -22,27 +22,25 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import dataclasses
-import itertools
 import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+if str(Path(__file__).resolve().parent) not in sys.path:  # tools/ is not a package: _workers is a sibling
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _workers  # noqa: E402
+from _workers import REPO, Run, Scheduler, Task  # noqa: E402
+
 MODES = ("forward", "backward")  # keys of torch_lazymem.testing.opinfo.RUNNERS
 PASS, MISMATCH, ERROR, SKIP, CRASH = "pass", "mismatch", "error", "skip", "crash"
 FAILURES = (MISMATCH, ERROR, CRASH)
-STARTUP_ATTEMPTS = 5  # a worker that dies before running anything (e.g. the extension being rebuilt)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -61,185 +59,29 @@ def _worker(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    with open(args.out, "a") as out:
-
-        def emit(record: dict[str, Any]) -> None:
-            out.write(json.dumps(record) + "\n")
-            out.flush()
-
+    with _workers.Emitter(args.out) as out:
         if args.list:
-            emit({"event": "ops", "ops": [[name, op.name] for name, op in opinfo.ops_by_name().items()]})
+            out.emit("ops", ops=[[name, op.name] for name, op in opinfo.ops_by_name().items()])
             return 0
-        names = json.loads(Path(args.names).read_text())
-        # Self-test of the crash handling: these ops segfault the worker (see --help).
-        fake_crash = set(filter(None, os.environ.get("OPINFO_REPORT_FAKE_CRASH", "").split(",")))
-        emit({"event": "ready"})
+        names = _workers.read_items(args.items)
+        out.ready()
         for name in names:
             op = opinfo.find_op(name)
             samples = None
             if args.count:
                 torch.manual_seed(opinfo.SAMPLE_SEED)
                 samples = opinfo.sample_count(op, args.mode, args.max_samples)
-            emit({"event": "start", "op": name, "samples": samples})
-            if name in fake_crash:
-                import ctypes
-
-                ctypes.string_at(0)  # SIGSEGV
+            out.start(name, samples=samples)
+            if _workers.listed("OPINFO_REPORT_FAKE_CRASH", name):  # self-test of the crash handling
+                _workers.segfault()
             for o in opinfo.seeded_outcomes(op, args.mode, args.max_samples):
-                emit({"event": "outcome", **dataclasses.asdict(o)})
-            emit({"event": "end", "op": name})
+                out.emit("outcome", **dataclasses.asdict(o))
+            out.end(name)
     return 0
 
 
 # ----------------------------------------------------------------------------------------------------
-# Parent side: schedules workers, finds crashes, aggregates.
-
-
-@dataclasses.dataclass
-class Run:
-    """What one worker process did."""
-
-    names: list[str]
-    returncode: int | None = None
-    timed_out: bool = False
-    timeout: float = 0.0
-    ready: bool = False
-    done: dict[str, list[dict[str, Any]]] = dataclasses.field(default_factory=dict)  # finished ops
-    started: dict[str, list[dict[str, Any]]] = dataclasses.field(default_factory=dict)  # unfinished
-    samples: dict[str, int | None] = dataclasses.field(default_factory=dict)
-    stderr: str = ""
-    listing: list[list[str]] | None = None
-
-    @property
-    def died(self) -> bool:
-        return self.timed_out or self.returncode != 0
-
-    @property
-    def how(self) -> str:
-        if self.timed_out:
-            return f"timed out ({self.timeout:g} s without progress)"
-        rc = self.returncode or 0
-        if rc < 0:
-            with contextlib.suppress(ValueError):
-                return f"killed by {signal.Signals(-rc).name}"
-            return f"killed by signal {-rc}"
-        return f"exit status {rc}"
-
-    def stderr_tail(self, lines: int = 12) -> str:
-        keep = [
-            line[:300]
-            for line in self.stderr.rstrip().splitlines()
-            if not line.startswith("Extension modules:")
-        ]
-        return "\n".join(keep[-lines:])
-
-
-class Scheduler:
-    def __init__(self, opts: argparse.Namespace, workdir: str):
-        self.opts = opts
-        self.workdir = workdir
-        self.counter = itertools.count(1)  # next() is atomic: worker files get distinct names
-        self.threads = max(1, (os.cpu_count() or 1) // max(1, opts.jobs))
-        self.live: set[subprocess.Popen[bytes]] = set()
-        self.lock = threading.Lock()
-        self.stopping = False
-
-    def stop(self) -> None:
-        """Kills the running workers (their sessions are their own: Ctrl-C does not reach them)."""
-        with self.lock:
-            self.stopping = True
-            for proc in self.live:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-
-    def run(self, names: list[str], count: bool = False, listing: bool = False) -> Run:
-        """Runs a worker over `names`, retrying a worker that dies before it starts (ImportError...)."""
-        run = Run(names)
-        for attempt in range(STARTUP_ATTEMPTS):
-            run = self._run_once(names, count, listing)
-            if run.ready or not run.died or self.stopping:
-                return run
-            if attempt + 1 < STARTUP_ATTEMPTS:
-                time.sleep(3 * 2**attempt)  # 3, 6, 12, 24 s: long enough for a rebuild of the extension
-        return run
-
-    def _run_once(self, names: list[str], count: bool, listing: bool) -> Run:
-        base = os.path.join(self.workdir, f"w{next(self.counter)}")
-        out_path, err_path, names_path = base + ".jsonl", base + ".err", base + ".names.json"
-        Path(names_path).write_text(json.dumps(names))
-        cmd = [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--worker",
-            "--out",
-            out_path,
-            "--mode",
-            self.opts.mode,
-        ]
-        cmd += ["--names", names_path, "--threads", str(self.threads)]
-        if self.opts.max_samples:
-            cmd += ["--max-samples", str(self.opts.max_samples)]
-        if count:
-            cmd.append("--count")
-        if listing:
-            cmd.append("--list")
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-        env.setdefault("PYTHONFAULTHANDLER", "1")
-        run = Run(names)
-        with open(err_path, "w") as err, self.lock:
-            if self.stopping:
-                run.returncode = -signal.SIGKILL
-                return run
-            proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env, start_new_session=True
-            )
-            self.live.add(proc)
-        try:
-            last_size, last_change = -1, time.monotonic()
-            while proc.poll() is None:
-                time.sleep(0.1)
-                size = os.path.getsize(out_path) if os.path.exists(out_path) else 0
-                if size != last_size:
-                    last_size, last_change = size, time.monotonic()
-                elif time.monotonic() - last_change > self.opts.timeout:
-                    run.timed_out, run.timeout = True, self.opts.timeout
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    break
-        finally:
-            with self.lock:
-                self.live.discard(proc)
-        run.returncode = proc.returncode
-        run.stderr = Path(err_path).read_text(errors="replace")
-        self._parse(run, out_path)
-        return run
-
-    @staticmethod
-    def _parse(run: Run, out_path: str) -> None:
-        if not os.path.exists(out_path):
-            return
-        current: str | None = None
-        for line in Path(out_path).read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by a crash
-                continue
-            event = rec.pop("event")
-            if event == "ops":
-                run.listing = rec["ops"]
-            elif event == "ready":
-                run.ready = True
-            elif event == "start":
-                current = rec["op"]
-                run.started[current] = []
-                run.samples[current] = rec["samples"]
-            elif event == "outcome" and current is not None:
-                run.started[current].append(rec)
-            elif event == "end" and current is not None:
-                run.done[current] = run.started.pop(current)
-                current = None
+# Parent side: schedules workers (tools/_workers.py), finds crashes, aggregates.
 
 
 @dataclasses.dataclass
@@ -402,59 +244,58 @@ def _select(listing: list[list[str]], wanted: str | None) -> list[str]:
     return [full for full, base in listing if full in keep or base in keep]
 
 
-def _progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+_progress = _workers.progress
 
 
-def _schedule(sched: Scheduler, pool: ThreadPoolExecutor, batches: list[list[str]], report: Report) -> bool:
+def _schedule(sched: Scheduler, jobs: int, batches: list[list[str]], report: Report) -> bool:
     """Runs the batches, reruns the ops of a batch that dies one per process; False if a worker could
     not start at all (the environment, not an op, is broken)."""
     t0 = time.monotonic()
-    pending: dict[Future[Run], str] = {pool.submit(sched.run, b): "batch" for b in batches}
     suspects: dict[str, dict[str, Any]] = {}  # op rerun alone -> the batch death it was left in
     batch_deaths: list[dict[str, Any]] = []
     finished = 0
-    while pending:
-        done, _ = wait(pending, return_when=FIRST_COMPLETED)
-        for fut in done:
-            kind = pending.pop(fut)
-            run = fut.result()
-            if not run.ready:
-                _progress(f"opinfo_report: a worker could not start ({run.how}):\n{run.stderr_tail()}")
-                return False
-            report.add_ops(run.done)
-            if kind == "batch":
-                finished += 1
-                if not run.died:
-                    _progress(f"  batch {finished}/{len(batches)} done ({time.monotonic() - t0:.0f} s)")
-                    continue
-                left = [n for n in run.names if n not in run.done]
-                running = next(iter(run.started), None)
-                _progress(
-                    f"  batch {finished}/{len(batches)} died ({run.how}) in {running or 'no op'}: "
-                    f"rerunning {len(left)} ops one per process"
-                )
-                death = {
-                    "op": running,
-                    "how": run.how,
-                    "stderr": run.stderr_tail(),
-                    "ops": left,
-                    "crashed": [],
-                }
-                batch_deaths.append(death)
-                for name in left:
-                    suspects[name] = death
-                    pending[pool.submit(sched.run, [name], True)] = "single"
-            else:
-                name = run.names[0]
-                death = suspects.pop(name)
-                if run.died:
-                    report.add_crash(Crash(name, run.how, run.samples.get(name) or 1, run.stderr_tail()))
-                    death["crashed"].append(name)
-                    _progress(f"  {name}: crashes alone ({run.how})")
+
+    def handle(run: Run) -> list[Task] | None:
+        nonlocal finished
+        if not run.ready:
+            _progress(f"opinfo_report: a worker could not start ({run.how}):\n{run.stderr_tail()}")
+            return None
+        report.add_ops(run.done)
+        if run.tag == "batch":
+            finished += 1
+            if not run.died:
+                _progress(f"  batch {finished}/{len(batches)} done ({time.monotonic() - t0:.0f} s)")
+                return []
+            left = [n for n in run.items if n not in run.done]
+            running = next(iter(run.started), None)
+            _progress(
+                f"  batch {finished}/{len(batches)} died ({run.how}) in {running or 'no op'}: "
+                f"rerunning {len(left)} ops one per process"
+            )
+            death = {
+                "op": running,
+                "how": run.how,
+                "stderr": run.stderr_tail(),
+                "ops": left,
+                "crashed": [],
+            }
+            batch_deaths.append(death)
+            for name in left:
+                suspects[name] = death
+            return [Task([name], "single", ["--count"]) for name in left]
+        name = run.items[0]
+        death = suspects.pop(name)
+        if run.died:
+            samples = run.info.get(name, {}).get("samples")
+            report.add_crash(Crash(name, run.how, samples or 1, run.stderr_tail()))
+            death["crashed"].append(name)
+            _progress(f"  {name}: crashes alone ({run.how})")
+        return []
+
+    ok = sched.map(jobs, [Task(b, "batch") for b in batches], handle)
     # A batch that died although none of its unfinished ops crashes alone: reported as a note.
     report.batch_crashes = [d for d in batch_deaths if not d["crashed"]]
-    return True
+    return ok
 
 
 def main_parent(opts: argparse.Namespace) -> int:
@@ -462,24 +303,23 @@ def main_parent(opts: argparse.Namespace) -> int:
     # SIGTERM unwinds like Ctrl-C, so that the workers (in sessions of their own) are killed too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     report = Report(opts.mode)
+    threads = max(1, (os.cpu_count() or 1) // max(1, opts.jobs))
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", opts.mode]
+    command += ["--threads", str(threads)]
+    if opts.max_samples:
+        command += ["--max-samples", str(opts.max_samples)]
     with tempfile.TemporaryDirectory(prefix="opinfo_report_") as workdir:
-        sched = Scheduler(opts, workdir)
-        lst = sched.run([], listing=True)
-        if lst.listing is None:
+        sched = Scheduler(command, workdir, opts.timeout)
+        lst = sched.run(Task([], "list", ["--list"]))
+        listing = lst.events.get("ops", {}).get("ops")
+        if listing is None:
             _progress(f"opinfo_report: could not list op_db ({lst.how}):\n{lst.stderr_tail()}")
             return 2
-        names = _select(lst.listing, opts.ops)
+        names = _select(listing, opts.ops)
         batches = [names[i : i + opts.batch_size] for i in range(0, len(names), opts.batch_size)]
         _progress(f"{len(names)} ops in {len(batches)} batches, {opts.jobs} jobs")
-        with ThreadPoolExecutor(max_workers=opts.jobs) as pool:
-            try:
-                ok = _schedule(sched, pool, batches, report)
-            except BaseException:
-                sched.stop()  # Ctrl-C: kill the workers, start no more
-                raise
-            if not ok:
-                sched.stop()
-                return 2
+        if not _schedule(sched, opts.jobs, batches, report):
+            return 2
     order = {name: i for i, name in enumerate(names)}
     report.outcomes.sort(key=lambda o: (order.get(o["op"], -1), o["index"]))
     sys.stderr.flush()
@@ -511,7 +351,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # worker mode (internal)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--names", help=argparse.SUPPRESS)
+    p.add_argument("--items", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--count", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--list", action="store_true", help=argparse.SUPPRESS)

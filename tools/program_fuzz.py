@@ -2,8 +2,9 @@
 float64 by eager CPU and by lazymem on a simulated device capped at a random 5-100% of eager's
 peak, with random allocation failures injected, and compared.
 
-    python tools/program_fuzz.py [--programs 2000] [--seed 0] [--jobs 2] [--show-ok]
+    python tools/program_fuzz.py [--programs 2000] [--seed 0] [--jobs 2] [--timeout 300]
     python tools/program_fuzz.py --replay SEED      # one program: its text, its outcome
+    python tools/program_fuzz.py --worker 9042,9110 # seeds in this process, in order: a JSON line each
 
 The grammar:
   inputs   vectors (B, F), images (B, C, H, W), tokens (B, T) through an embedding, sequences (B, T, F)
@@ -33,9 +34,20 @@ Each program prints one of:
   OVER      the measured peak went over the cap                 (a bug)
   ERROR     any other exception                                 (a bug)
   CRASH     the worker process died                             (a bug)
+  HANG      the program ran over --timeout seconds: its worker was killed    (a bug)
 A bug prints its seed and the program's minimal form (features removed while it still fails).
 Exit status 1 on any bug. Programs with random ops are compared with eager like any other: with the
 same seed, a split program draws eager's numbers (DESIGN.md §7 RNG).
+
+Programs run in worker processes (tools/_workers.py), --jobs at once, each worker taking every
+jobs-th seed in order (a program runs after the ones before it in its worker, with what they taught
+lazymem); each streams its records (JSON lines) to a file, so a worker that dies keeps what it
+finished. A worker that dies in a program is a CRASH of that program (a HANG if it wrote nothing
+for --timeout seconds: it is killed); its remaining seeds go on in a new worker. A worker that dies
+before its first line (before any program) is rerun one seed per process, and a seed whose worker
+dies so alone is a CRASH. Self-tests of that handling: PROGRAM_FUZZ_FAKE_CRASH=s1,s2 makes a worker
+segfault when it reaches those seeds, PROGRAM_FUZZ_FAKE_HANG=... hang there, and
+PROGRAM_FUZZ_FAKE_STARTUP_CRASH=... segfault before its first line when it holds one of them.
 """
 
 from __future__ import annotations
@@ -49,11 +61,17 @@ import json
 import os
 import random
 import re
-import subprocess
+import signal
 import sys
+import tempfile
 import time
 import traceback
 import warnings
+from pathlib import Path
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # tools/ is not a package: _workers is a sibling
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _workers  # noqa: E402
 
 # Kernels are handed device memory only: a value held in host memory reaching one is an internal error
 # (the simulated device checks it under its cap anyway; this covers the uncapped runs too).
@@ -423,7 +441,7 @@ def check(spec: Spec) -> dict:
     return dict(result, status="ok")
 
 
-BUGS = ("WRONG", "OVER", "ERROR", "CRASH")
+BUGS = ("WRONG", "OVER", "ERROR", "CRASH", "HANG")
 
 
 def minimize(spec: Spec) -> Spec:
@@ -454,32 +472,89 @@ def minimize(spec: Spec) -> Spec:
 # Workers (a crash costs one program, not the run) and the report.
 
 
-def worker(seeds: list[int]) -> None:
+TIMEOUT = 300.0  # seconds a program may run before its worker is killed (--timeout)
+STARTUP_TIMEOUT = 300.0  # seconds a worker may take to import torch and lazymem, at least
+
+
+def worker(seeds: list[int], out: str | None = None) -> None:
+    """Runs the seeds in this process, in order. With `out`: the scheduler's protocol (tools/_workers.py),
+    each seed's record after its "start" line; without: a {"start": seed} line and the seed's record per
+    seed on stdout."""
     warnings.simplefilter("ignore")
-    for s in seeds:
-        print(json.dumps({"start": s}), flush=True)
-        print(json.dumps(check(draw(s))), flush=True)
+    if any(_workers.listed("PROGRAM_FUZZ_FAKE_STARTUP_CRASH", s) for s in seeds):
+        _workers.segfault()  # self-test: a worker that dies before its first line (see --help)
+    import torch_lazymem  # noqa: F401 - before "ready": a worker that cannot import it dies starting
+
+    with contextlib.ExitStack() as stack:
+        em = stack.enter_context(_workers.Emitter(out)) if out else None
+        if em:
+            em.ready()
+        for s in seeds:
+            if em:
+                em.start(s)
+            else:
+                print(json.dumps({"start": s}), flush=True)
+            if _workers.listed("PROGRAM_FUZZ_FAKE_CRASH", s):
+                _workers.segfault()
+            if _workers.listed("PROGRAM_FUZZ_FAKE_HANG", s):
+                _workers.hang()
+            r = check(draw(s))
+            if em:
+                em.emit("result", **r)
+                em.end(s)
+            else:
+                print(json.dumps(r), flush=True)
 
 
-def run_worker(seeds: list[int], results: list[dict]) -> None:
-    while seeds:
-        proc = subprocess.Popen([sys.executable, __file__, "--worker", ",".join(map(str, seeds))],
-                                stdout=subprocess.PIPE, text=True)
-        current = None
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            msg = json.loads(line)
-            if "start" in msg:
-                current = msg["start"]
-                continue
-            results.append(msg)
-            seeds = seeds[seeds.index(msg["seed"]) + 1:]
-            current = None
-        proc.wait()
-        if current is None:
-            break
-        results.append({"seed": current, "status": "CRASH", "detail": f"worker exit status {proc.returncode}"})
-        seeds = seeds[seeds.index(current) + 1:]
+def _died(seed: int, run: _workers.Run, before: str = "") -> dict:
+    status = "HANG" if run.timed_out else "CRASH"
+    tail = run.stderr_tail()
+    return {"seed": seed, "status": status, "detail": f"worker {before}{run.how}" + (f"\n{tail}" if tail else "")}
+
+
+def run_batches(batches: list[list[int]], jobs: int, timeout: float = TIMEOUT,
+                env: dict[str, str] | None = None) -> list[dict]:
+    """Runs each batch of seeds in a worker process, in order, `jobs` workers at once, and returns one
+    record per seed (check()'s, or a CRASH / HANG one), in no particular order. `env`: added to the
+    workers' environment."""
+    results: list[dict] = []
+
+    def handle(run: _workers.Run) -> list[_workers.Task]:
+        for recs in run.done.values():
+            results.extend(recs)
+        left = [s for s in run.items if s not in run.done]
+        if not left:
+            if run.died:
+                _workers.progress(f"program_fuzz: a worker died ({run.how}) after finishing its seeds:\n"
+                                  f"{run.stderr_tail()}")
+            return []
+        if run.started:  # it died in a program: that program's doing; the rest go on in a new worker
+            seed = next(iter(run.started))
+            results.append(_died(seed, run))
+            _workers.progress(f"program_fuzz: seed {seed}: worker {run.how}")
+            rest = left[left.index(seed) + 1:]
+            return [_workers.Task(rest, "batch")] if rest else []
+        if len(run.items) > 1:  # it died before its first program: which seed's doing?
+            _workers.progress(f"program_fuzz: a worker died before its first line ({run.how}): rerunning its "
+                              f"{len(left)} seeds one per process")
+            return [_workers.Task([s], "single") for s in left]
+        results.append(_died(left[0], run, "died before its first line: "))
+        _workers.progress(f"program_fuzz: seed {left[0]}: worker died before its first line ({run.how})")
+        return []
+
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker"]
+    with tempfile.TemporaryDirectory(prefix="program_fuzz_") as workdir:
+        sched = _workers.Scheduler(command, workdir, timeout, startup_timeout=max(timeout, STARTUP_TIMEOUT),
+                                   startup_attempts=1, env=env)
+        sched.map(jobs, [_workers.Task(b, "batch") for b in batches if b], handle)
+    return results
+
+
+def run_seeds(seeds: list[int], jobs: int = 1, timeout: float = TIMEOUT,
+              env: dict[str, str] | None = None) -> list[dict]:
+    """The seeds' records, sorted by seed: worker j runs seeds[j::jobs] in order (see run_batches)."""
+    results = run_batches([seeds[j::jobs] for j in range(jobs)], jobs, timeout, env)
+    return sorted(results, key=lambda r: r["seed"])
 
 
 def report(results: list[dict], seconds: float) -> int:
@@ -507,11 +582,18 @@ def main() -> int:
     parser.add_argument("--programs", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0, help="first seed")
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=TIMEOUT,
+                        help=f"seconds a program may run before it counts as a HANG (default {TIMEOUT:g})")
     parser.add_argument("--replay", type=int, help="run one program, print it, minimize it if it fails")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    # --worker SEEDS: these seeds in this process (see the docstring); the scheduler's workers are
+    # started with --worker --out FILE --items FILE (tools/_workers.py).
+    parser.add_argument("--worker", nargs="?", const="", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--items", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        worker([int(s) for s in args.worker.split(",")])
+    if args.worker is not None:
+        seeds = _workers.read_items(args.items) if args.items else [int(s) for s in args.worker.split(",") if s]
+        worker(seeds, args.out)
         return 0
     if args.replay is not None:
         warnings.simplefilter("ignore")
@@ -522,16 +604,17 @@ def main() -> int:
         if r["status"] in BUGS:
             print("minimal:", minimize(spec).text())
         return 1 if r["status"] in BUGS else 0
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
+    # SIGTERM unwinds like Ctrl-C, so that the workers (in sessions of their own) are killed too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     seeds = list(range(args.seed, args.seed + args.programs))
     t0 = time.perf_counter()
-    results: list[dict] = []
-    import threading
-    threads = [threading.Thread(target=run_worker, args=(seeds[j::args.jobs], results)) for j in range(args.jobs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    results.sort(key=lambda r: r["seed"])
+    try:
+        results = run_seeds(seeds, args.jobs, args.timeout)
+    except KeyboardInterrupt:  # the workers are killed (Scheduler.map)
+        _workers.progress("program_fuzz: interrupted")
+        return 130
     return report(results, time.perf_counter() - t0)
 
 
