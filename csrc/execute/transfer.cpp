@@ -1,15 +1,13 @@
 // execute: copies across the host/device boundary, and the boundary's check.
 #include "execute/transfer.h"
 
-#include <unistd.h>
-
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
-#include <deque>
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include <ATen/ops/empty.h>
 #include <c10/core/Event.h>
@@ -36,25 +34,21 @@ struct Link {
 };
 Link g_links[2];
 
-// The copy started at `start` (its memcpy done by now) ends when the link has carried its bytes.
-void take_link_time(int64_t bytes, bool to_device, Clock::time_point start, bool measured = true) {
+// The end of a copy of `bytes` started at `start` over the modeled link (`start` itself when the link
+// is not modeled): after the link's earlier copies, taking bytes / bandwidth. Reserves the link until then.
+Clock::time_point link_finish(int64_t bytes, bool to_device, Clock::time_point start) {
   const double bw = config().link_bandwidth.load(std::memory_order_relaxed);
-  Clock::time_point end = Clock::now();
-  if (bw > 0 && bytes > 0) {
-    Link& l = g_links[to_device ? 0 : 1];
-    const auto dur = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(bytes / bw));
-    Clock::time_point finish;
-    {
-      std::lock_guard<std::mutex> lock(l.mu);
-      const Clock::time_point begin = std::max(start, l.busy_until);
-      finish = begin + dur;
-      l.busy_until = finish;
-    }
-    if (finish > end) {
-      std::this_thread::sleep_until(finish);
-      end = finish;
-    }
-  }
+  if (bw <= 0 || bytes <= 0) return start;
+  Link& l = g_links[to_device ? 0 : 1];
+  const auto dur = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(bytes / bw));
+  std::lock_guard<std::mutex> lock(l.mu);
+  const Clock::time_point finish = std::max(start, l.busy_until) + dur;
+  l.busy_until = finish;
+  return finish;
+}
+
+// Counts a copy that took from `start` to `end` (and teaches the planner its time when `measured`).
+void count_copy(int64_t bytes, bool to_device, Clock::time_point start, Clock::time_point end, bool measured) {
   if (measured) observe_copy(bytes, std::chrono::duration<double>(end - start).count());
   Stats& s = stats();
   (to_device ? s.h2d_bytes : s.d2h_bytes).fetch_add(static_cast<uint64_t>(bytes), std::memory_order_relaxed);
@@ -64,82 +58,31 @@ void take_link_time(int64_t bytes, bool to_device, Clock::time_point start, bool
                  std::memory_order_relaxed);
 }
 
-// The copy worker of a CPU backing: one thread, copies in the order they were started (one link).
-class CopyWorker {
- public:
-  // The process's worker (a forked child starts its own: threads do not survive fork). Never
-  // destroyed: it lives as long as the process.
-  static CopyWorker& get() {
-    static std::mutex mu;
-    static CopyWorker* worker = nullptr;
-    static pid_t owner = 0;
-    std::lock_guard<std::mutex> lock(mu);
-    if (!worker || owner != ::getpid()) {
-      worker = new CopyWorker(); // NOLINT(cppcoreguidelines-owning-memory): leaked on purpose
-      owner = ::getpid();
-    }
-    return *worker;
+// The copy started at `start` (its memcpy done by now) ends when the link has carried its bytes: the
+// caller waits for that.
+void take_link_time(int64_t bytes, bool to_device, Clock::time_point start, bool measured = true) {
+  Clock::time_point end = Clock::now();
+  const Clock::time_point finish = link_finish(bytes, to_device, start);
+  if (finish > end) {
+    std::this_thread::sleep_until(finish);
+    end = finish;
   }
-  void push(std::shared_ptr<PendingCopy::State> s) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(std::move(s));
-    }
-    cv_.notify_one();
-  }
-
- private:
-  CopyWorker() {
-    std::thread([this] { loop(); }).detach();
-  }
-  void loop();
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::shared_ptr<PendingCopy::State>> queue_;
-};
+  count_copy(bytes, to_device, start, end, measured);
+}
 
 } // namespace
 
 struct PendingCopy::State {
   at::Tensor host, device;
   int64_t bytes = 0;
-  // The copy worker's: done once the copy (and its link time) has ended.
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  std::exception_ptr error;
+  // The simulated device's: when the modeled link has carried the copy.
+  Clock::time_point ready{};
   // A copy stream's: the copy's end on it, and whether the compute stream waits for it yet.
   std::optional<c10::Event> ended;
   bool ordered = false;
 };
 
 namespace {
-
-void CopyWorker::loop() {
-  for (;;) {
-    std::shared_ptr<PendingCopy::State> s;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return !queue_.empty(); });
-      s = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    const auto start = Clock::now();
-    try {
-      s->device.copy_(s->host);
-      take_link_time(s->bytes, true, start);
-    } catch (...) {
-      s->error = std::current_exception();
-    }
-    // The tensors are released by their owner's thread (~PendingCopy), never here: the device's
-    // counting allocator is charged and credited on the thread that plans and runs.
-    {
-      std::lock_guard<std::mutex> lock(s->mu);
-      s->done = true;
-    }
-    s->cv.notify_all();
-  }
-}
 
 // The copy stream of `dev` (one per device, from the backend's pool).
 c10::Stream copy_stream(const c10::Device& dev) {
@@ -164,7 +107,14 @@ PendingCopy::PendingCopy(const at::Tensor& host) : state_(std::make_shared<State
   s.device = at::empty(host.sizes(), host.options().device(dev)); // charged now, on the compute stream
   stats().h2d_ahead.fetch_add(1, std::memory_order_relaxed);
   if (dev.is_cpu()) {
-    CopyWorker::get().push(state_);
+    // The simulated device's copy engine: the bytes are in place now (host and device are both this
+    // machine's memory, and a memcpy on the thread that runs kernels keeps every allocation and every
+    // kernel's threads where they would be without it); the copy is done when the modeled link has
+    // carried it, after the link's earlier copies, while the executor goes on computing.
+    const auto start = Clock::now();
+    s.device.copy_(host);
+    s.ready = std::max(link_finish(s.bytes, true, start), Clock::now());
+    count_copy(s.bytes, true, start, s.ready, /*measured=*/true);
     return;
   }
   c10::impl::VirtualGuardImpl impl(dev.type());
@@ -196,17 +146,13 @@ const at::Tensor& PendingCopy::get() {
     }
     return s.device;
   }
-  {
-    std::unique_lock<std::mutex> lock(s.mu);
-    if (!s.done) {
-      const auto t0 = Clock::now();
-      s.cv.wait(lock, [&] { return s.done; });
-      stats().copy_wait_ns.fetch_add(
-          static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count()),
-          std::memory_order_relaxed);
-    }
+  const auto now = Clock::now();
+  if (s.ready > now) {
+    std::this_thread::sleep_until(s.ready);
+    stats().copy_wait_ns.fetch_add(
+        static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(s.ready - now).count()),
+        std::memory_order_relaxed);
   }
-  if (s.error) std::rethrow_exception(s.error);
   return s.device;
 }
 
@@ -225,9 +171,6 @@ PendingCopy::~PendingCopy() {
       } catch (...) { // NOLINT(bugprone-empty-catch): a destructor; the device is failing anyway
       }
     }
-  } else {
-    std::unique_lock<std::mutex> lock(s.mu);
-    s.cv.wait(lock, [&] { return s.done; });
   }
   s.device.reset();
   s.host.reset();

@@ -26,7 +26,9 @@ void count_transfer(int64_t bytes, bool to_device);
 
 // A copy of host memory into a device temporary started ahead of its reader (the next chunk's rows of a
 // value held in host memory, issued while this chunk computes). On the simulated device (a CPU backing)
-// a copy worker thread carries it over the modeled link; on another backing (CUDA) a copy stream does,
+// its bytes are in place at once and the copy ends when the modeled link has carried them (a copy
+// engine on the link's timeline: the executor computes meanwhile and waits, in get(), only for what
+// is left); on another backing (CUDA) a copy stream carries it,
 // after an event on the compute stream (the temporary's memory is free there) and before its reader
 // (the compute stream waits for the copy's event: the host does not). The temporary is allocated, and
 // charged to the device, when the copy starts.
@@ -35,7 +37,8 @@ class PendingCopy {
   explicit PendingCopy(const at::Tensor& host);
   PendingCopy(const PendingCopy&) = delete;
   PendingCopy& operator=(const PendingCopy&) = delete;
-  // A copy dropped unread still owns its destination until it ends: waited for here.
+  // A copy dropped unread still owns its destination until it ends (on a stream: the compute stream
+  // is ordered after it before the memory is freed).
   ~PendingCopy();
   // The device copy, once the copy has ended (or, on a stream, once the compute stream is ordered after
   // it). Rethrows the copy's error.
