@@ -27,7 +27,7 @@ def _torch_cxx_std() -> str:
     m = re.search(r"cpp_flag_prefix \+ '(c\+\+\d+)'", inspect.getsource(cpp_extension.BuildExtension))
     return "-std=" + (m.group(1) if m else "c++17")
 
-CORE_DIRS = ["core", "ir", "ops", "plan", "execute", "device", "record", "record/composite", "sync", "dist"]
+CORE_DIRS = ["core", "ir", "ops", "plan", "execute", "device", "record", "record/composite", "sync", "distributed"]
 CORE_NAME = "torch_lazymem.lib.lazymem_core"
 CXX_FLAGS = ["-O2", "-g0", "-fvisibility-inlines-hidden", "-Wall", "-Wno-unused-parameter", "-Wno-unused-function",
              _torch_cxx_std()]

@@ -27,7 +27,7 @@ ALLOWED = {
     "plan": {"core", "ir", "ops", "plan"},
     "execute": {"core", "ir", "device", "plan", "execute"},
     "sync": {"core", "ir", "ops", "device", "record", "plan", "execute", "sync"},
-    "dist": {"core", "ir", "device", "sync", "dist"},
+    "distributed": {"core", "ir", "device", "sync", "distributed"},
 }
 FORBIDDEN_SYSTEM = [
     (re.compile(r"^(Python\.h|frameobject\.h|pybind11/|torch/extension\.h|torch/python\.h|torch/csrc/(Exceptions|Generator|python|utils/))"), "Python bindings"),

@@ -4,7 +4,7 @@
 (``Backend.register_backend(..., devices=["lazymem"])``). Its collectives are recorded in the pending
 program like any op and run at materialization, once, whole, in the order they were recorded,
 through a real backend of the backing device made over the same store: gloo for CPU, NCCL for
-CUDA (csrc/dist/collectives.cpp).
+CUDA (csrc/distributed/collectives.cpp).
 
 A process group made with the backing device's usual backend — ``init_process_group("gloo")`` on a
 CPU backing, ``"nccl"`` on CUDA, or no backend at all — also gets ``lazymem`` for the lazymem

@@ -14,7 +14,7 @@
 #include "core/check.h"
 #include "core/config.h"
 #include "core/runtime.h"
-#include "dist/collectives.h"
+#include "distributed/collectives.h"
 #include "device/generator.h"
 #include "device/phantom.h"
 #include "execute/memory.h"

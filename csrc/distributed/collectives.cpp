@@ -10,7 +10,7 @@
 //     collective is recorded, so its future is complete at once with the (lazy) outputs — DDP's
 //     reducer, comm hooks and `.then` chains record what follows without a sync — and wait() is a
 //     sync point that materializes the outputs (and so runs the collective).
-#include "dist/collectives.h"
+#include "distributed/collectives.h"
 
 #include <cstdlib>
 #include <mutex>
