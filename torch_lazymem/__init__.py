@@ -62,3 +62,7 @@ _distributed.register()
 from . import testing  # noqa: E402,F401  (needs the registered device)
 
 del torch
+
+from . import integrations  # noqa: E402  (Trainer, accelerate, Lightning, torch.compile: issue 32)
+
+integrations.install()
