@@ -359,7 +359,7 @@ def cross_pass(case: Case, base: nn.Module, rows: int, steps: int) -> str | None
         return None
     chose = "recompute" if auto_rec and not auto_host else "host memory" if auto_host and not auto_rec else "both"
     best = min(rec_ms, host_ms)
-    return (f"| {case.name} | {rows} | {rec_n} | {rec_ms:.0f} | {host_n} | {moved:.0f} | {copy_ms:.0f} | {host_ms:.0f} "
+    return (f"| {case.name} | {rows} | {rec_n} | {rec_ms:.0f} | {host_n} | {moved:.0f} | {copy_ms:.0f} ({wait_ms:.0f}) | {host_ms:.0f} "
             f"| {chose} | {auto_ms:.0f} | {fmt_ratio(auto_ms / best, 1.1, lower=True)} |")
 
 
