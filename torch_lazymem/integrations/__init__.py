@@ -115,7 +115,7 @@ def on_import(name: str, hook: Callable[[ModuleType], None]) -> None:
 
 # One module per framework, each with an install() that registers its hooks (on_import) or extension
 # points.
-_MODULES = ("compile", "transformers", "accelerate")
+_MODULES = ("compile", "transformers", "accelerate", "lightning")
 
 
 def install() -> None:
