@@ -373,3 +373,22 @@ def test_accelerator_fp16_grad_scaler():
     torch.testing.assert_close(torch.stack(losses), torch.stack(reference_losses), rtol=1e-2, atol=0)
     for name in lazy:
         torch.testing.assert_close(lazy[name], reference[name], rtol=0, atol=1e-2, msg=name)
+
+
+def test_an_untested_framework_version_warns_once_naming_it(monkeypatch):
+    """The integrations check each framework's version once, and warn, naming the version, when it is
+    not one they were tested with."""
+    from torch_lazymem import integrations
+
+    monkeypatch.setattr(integrations, "_checked", set())
+    with pytest.warns(UserWarning, match="lazymem: the accelerate integration was tested with accelerate 1.15, not 0.9.1"):
+        integrations.check_version("accelerate", ("1.15",), "0.9.1")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        integrations.check_version("accelerate", ("1.15",), "0.9.1")  # once per framework
+    monkeypatch.setattr(integrations, "_checked", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        integrations.check_version("transformers", ("5.17", "5.18"))  # the installed 5.18: no warning

@@ -45,14 +45,45 @@ def enable() -> None:
     _enabled = True
 
 
-def check_version(framework: str, version: str, tested: tuple[str, ...]) -> None:
-    """Warns once when `framework` is at a version the integration was not tested with."""
+_checked: set[str] = set()
+
+
+def installed_version(framework: str) -> str:
+    """The version of the installed `framework`: its module's ``__version__``, else its distribution's."""
+    version = getattr(sys.modules.get(framework), "__version__", None)
+    if version is None:
+        from importlib.metadata import version as dist_version
+
+        version = dist_version(framework.replace("_", "-"))
+    return str(version).split("+")[0]
+
+
+def check_version(framework: str, tested: tuple[str, ...], version: str | None = None) -> None:
+    """Warns, once per framework, when `framework` (at `version`, or the installed one) is at a version
+    the integration was not tested with."""
+    with _lock:
+        if framework in _checked:
+            return
+        _checked.add(framework)
+    version = version if version is not None else installed_version(framework)
     if not any(version == t or version.startswith(t + ".") for t in tested):
         warnings.warn(
             f"lazymem: the {framework} integration was tested with {framework} {', '.join(tested)}, "
             f"not {version}; it may not choose lazymem",
             stacklevel=3,
         )
+
+
+def lazymem_is_default() -> bool:
+    """Whether a framework's automatic device choice is lazymem: the integrations are on and lazymem is
+    the current accelerator (it is once torch_lazymem is imported, unless another PrivateUse1 backend
+    is; PyTorch puts a registered PrivateUse1 backend before CUDA)."""
+    if not _enabled:
+        return False
+    import torch
+
+    accelerator = torch.accelerator.current_accelerator()
+    return accelerator is not None and accelerator.type == "lazymem"
 
 
 class _Loader(importlib.abc.Loader):

@@ -32,21 +32,11 @@ from types import ModuleType
 
 import torch
 
-from . import check_version, enabled, on_import
+from . import check_version, enabled, lazymem_is_default, on_import
 
 TESTED = ("1.15",)
 
-_checked = False
 _local = threading.local()
-
-
-def lazymem_is_default() -> bool:
-    """Whether accelerate's default device is lazymem: the integrations are on and lazymem is the
-    current accelerator (it is, once torch_lazymem is imported, unless another PrivateUse1 backend is)."""
-    if not enabled():
-        return False
-    accelerator = torch.accelerator.current_accelerator()
-    return accelerator is not None and accelerator.type == "lazymem"
 
 
 def backing_supports_bf16() -> bool:
@@ -68,21 +58,8 @@ def _state_on_lazymem() -> bool:
     return enabled() and isinstance(device, torch.device) and device.type == "lazymem"
 
 
-def _check_version() -> None:
-    global _checked
-    if _checked:
-        return
-    _checked = True
-    version = getattr(sys.modules.get("accelerate"), "__version__", None)
-    if version is None:
-        from importlib.metadata import version as dist_version
-
-        version = dist_version("accelerate")
-    check_version("accelerate", version, TESTED)
-
-
 def _patch_state(module: ModuleType) -> None:
-    _check_version()
+    check_version("accelerate", TESTED)
     PartialState = module.PartialState
     AcceleratorState = module.AcceleratorState
 
@@ -114,7 +91,7 @@ def _patch_state(module: ModuleType) -> None:
 
 
 def _patch_accelerator(module: ModuleType) -> None:
-    _check_version()
+    check_version("accelerate", TESTED)
     Accelerator = module.Accelerator
 
     original_bf16 = module.is_bf16_available

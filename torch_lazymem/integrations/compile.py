@@ -66,7 +66,7 @@ def _patch(module: ModuleType) -> None:
     inner = getattr(module, "compile_fx", None)
     if inner is None or getattr(inner, "_lazymem_wrapped", False):
         return
-    check_version("torch", torch.__version__.split("+")[0], _TESTED)
+    check_version("torch", _TESTED, torch.__version__.split("+")[0])
 
     @functools.wraps(inner)
     def compile_fx(model_, example_inputs_, *args, **kwargs):  # noqa: ANN001, ANN202 - Inductor's signature

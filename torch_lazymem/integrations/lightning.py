@@ -36,26 +36,16 @@ from typing import Any
 
 import torch
 
-from . import check_version, enabled, on_import
+from . import check_version, enabled, lazymem_is_default, on_import
 
 TESTED = ("2.6",)
 # The package prefix of Lightning's trainer code -> (distribution name for the version check).
 _PACKAGES = {"lightning.pytorch": "lightning", "pytorch_lightning": "pytorch_lightning"}
 
-_checked: set[str] = set()
 # Package prefix -> its LazymemAccelerator class (a subclass of that package's Accelerator).
 _accelerators: dict[str, type] = {}
 
 LAZYMEM_DEVICE = torch.device("lazymem", 0)
-
-
-def lazymem_is_default() -> bool:
-    """Whether ``accelerator="auto"`` chooses lazymem: the integrations are on and lazymem is the current
-    accelerator."""
-    if not enabled():
-        return False
-    accelerator = torch.accelerator.current_accelerator()
-    return accelerator is not None and accelerator.type == "lazymem"
 
 
 def accelerator_class(package: str = "lightning.pytorch") -> type:
@@ -72,19 +62,6 @@ def __getattr__(name: str) -> Any:
     if name == "LazymemAccelerator" and "lightning.pytorch" in _accelerators:
         return _accelerators["lightning.pytorch"]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _check_version(package: str) -> None:
-    dist = _PACKAGES[package]
-    if dist in _checked:
-        return
-    _checked.add(dist)
-    version = getattr(sys.modules.get(dist), "__version__", None)
-    if version is None:
-        from importlib.metadata import version as dist_version
-
-        version = dist_version(dist.replace("_", "-"))
-    check_version(dist, version, TESTED)
 
 
 def _make_accelerator(package: str, base: type, misconfiguration: type) -> type:
@@ -149,7 +126,7 @@ def _is_lazymem_accelerator(package: str, flag: Any) -> bool:
 
 
 def _patch_accelerators(package: str, module: ModuleType) -> None:
-    _check_version(package)
+    check_version(_PACKAGES[package], TESTED)
     if package not in _accelerators:
         exceptions = sys.modules.get(f"{package}.utilities.exceptions") or __import__(
             f"{package}.utilities.exceptions", fromlist=["MisconfigurationException"]
@@ -161,7 +138,7 @@ def _patch_accelerators(package: str, module: ModuleType) -> None:
 
 
 def _patch_strategies(package: str, module: ModuleType) -> None:
-    _check_version(package)
+    check_version(_PACKAGES[package], TESTED)
     module.StrategyRegistry.register(
         "single_lazymem",
         module.SingleDeviceStrategy,
@@ -172,7 +149,7 @@ def _patch_strategies(package: str, module: ModuleType) -> None:
 
 
 def _patch_connector(package: str, module: ModuleType) -> None:
-    _check_version(package)
+    check_version(_PACKAGES[package], TESTED)
     Connector = module._AcceleratorConnector
     SingleDeviceStrategy = module.SingleDeviceStrategy
 

@@ -37,14 +37,13 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 from functools import cached_property
 from types import ModuleType
 
 import torch
 
-from . import check_version, enabled, on_import
-from .accelerate import backing_supports_bf16, lazymem_is_default
+from . import check_version, enabled, lazymem_is_default, on_import
+from .accelerate import backing_supports_bf16
 
 # 5.17: the GPU machines'; 5.18: the CPU machines'.
 TESTED = ("5.17", "5.18")
@@ -67,24 +66,8 @@ def _will_choose_lazymem() -> bool:
     return lazymem_is_default()
 
 
-_checked = False
-
-
-def _check_version() -> None:
-    global _checked
-    if _checked:
-        return
-    _checked = True
-    version = getattr(sys.modules.get("transformers"), "__version__", None)
-    if version is None:
-        from importlib.metadata import version as dist_version
-
-        version = dist_version("transformers")
-    check_version("transformers", version, TESTED)
-
-
 def _patch_training_args(module: ModuleType) -> None:
-    _check_version()
+    check_version("transformers", TESTED)
 
     TrainingArguments = module.TrainingArguments
 
@@ -137,7 +120,7 @@ def _on_lazymem(trainer) -> bool:  # noqa: ANN001 - a transformers.Trainer
 
 
 def _patch_trainer(module: ModuleType) -> None:
-    _check_version()
+    check_version("transformers", TESTED)
     Trainer = module.Trainer
     save, load = Trainer._save_rng_state, Trainer._load_rng_state
     if getattr(save, "_lazymem", False):
