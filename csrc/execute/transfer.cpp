@@ -4,13 +4,11 @@
 #include <atomic>
 #include <chrono>
 #include <mutex>
-#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include <ATen/ops/empty.h>
-#include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
@@ -72,16 +70,6 @@ void take_link_time(int64_t bytes, bool to_device, Clock::time_point start, bool
 
 } // namespace
 
-struct PendingCopy::State {
-  at::Tensor host, device;
-  int64_t bytes = 0;
-  // The simulated device's: when the modeled link has carried the copy.
-  Clock::time_point ready{};
-  // A copy stream's: the copy's end on it, and whether the compute stream waits for it yet.
-  std::optional<c10::Event> ended;
-  bool ordered = false;
-};
-
 namespace {
 
 // The copy stream of `dev` (one per device, from the backend's pool).
@@ -99,12 +87,10 @@ c10::Stream copy_stream(const c10::Device& dev) {
 
 } // namespace
 
-PendingCopy::PendingCopy(const at::Tensor& host) : state_(std::make_shared<State>()) {
+PendingCopy::PendingCopy(const at::Tensor& host)
+    : host_(host), bytes_(static_cast<int64_t>(host.numel() * host.element_size())) {
   const c10::Device dev = backing_device();
-  State& s = *state_;
-  s.host = host;
-  s.bytes = static_cast<int64_t>(host.numel() * host.element_size());
-  s.device = at::empty(host.sizes(), host.options().device(dev)); // charged now, on the compute stream
+  device_ = at::empty(host.sizes(), host.options().device(dev)); // charged now, on the compute stream
   stats().h2d_ahead.fetch_add(1, std::memory_order_relaxed);
   if (dev.is_cpu()) {
     // The simulated device's copy engine: the bytes are in place now (host and device are both this
@@ -112,9 +98,9 @@ PendingCopy::PendingCopy(const at::Tensor& host) : state_(std::make_shared<State
     // kernel's threads where they would be without it); the copy is done when the modeled link has
     // carried it, after the link's earlier copies, while the executor goes on computing.
     const auto start = Clock::now();
-    s.device.copy_(host);
-    s.ready = std::max(link_finish(s.bytes, true, start), Clock::now());
-    count_copy(s.bytes, true, start, s.ready, /*measured=*/true);
+    device_.copy_(host);
+    ready_ = std::max(link_finish(bytes_, true, start), Clock::now());
+    count_copy(bytes_, true, start, ready_, /*measured=*/true);
     return;
   }
   c10::impl::VirtualGuardImpl impl(dev.type());
@@ -127,53 +113,43 @@ PendingCopy::PendingCopy(const at::Tensor& host) : state_(std::make_shared<State
   free_on_compute.block(copy);
   {
     c10::StreamGuard on_copy(copy);
-    s.device.copy_(host, /*non_blocking=*/true);
+    device_.copy_(host, /*non_blocking=*/true);
   }
-  s.ended.emplace(dev.type());
-  s.ended->record(copy);
+  ended_.emplace(dev.type());
+  ended_->record(copy);
   Stats& st = stats();
-  st.h2d_bytes.fetch_add(static_cast<uint64_t>(s.bytes), std::memory_order_relaxed);
+  st.h2d_bytes.fetch_add(static_cast<uint64_t>(bytes_), std::memory_order_relaxed);
   st.h2d_copies.fetch_add(1, std::memory_order_relaxed);
 }
 
 const at::Tensor& PendingCopy::get() {
-  State& s = *state_;
-  if (s.ended) {
-    if (!s.ordered) {
-      c10::impl::VirtualGuardImpl impl(s.device.device().type());
-      s.ended->block(impl.getStream(s.device.device()));
-      s.ordered = true;
+  if (ended_) {
+    if (!ordered_) {
+      c10::impl::VirtualGuardImpl impl(device_.device().type());
+      ended_->block(impl.getStream(device_.device()));
+      ordered_ = true;
     }
-    return s.device;
+    return device_;
   }
   const auto now = Clock::now();
-  if (s.ready > now) {
-    std::this_thread::sleep_until(s.ready);
+  if (ready_ > now) {
+    std::this_thread::sleep_until(ready_);
     stats().copy_wait_ns.fetch_add(
-        static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(s.ready - now).count()),
+        static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(ready_ - now).count()),
         std::memory_order_relaxed);
   }
-  return s.device;
-}
-
-int64_t PendingCopy::bytes() const {
-  return state_->bytes;
+  return device_;
 }
 
 PendingCopy::~PendingCopy() {
-  State& s = *state_;
-  if (s.ended) {
+  if (ended_ && !ordered_) {
     // Dropped unread: nothing on the compute stream may reuse the temporary before the copy ends.
-    if (!s.ordered) {
-      try {
-        c10::impl::VirtualGuardImpl impl(s.device.device().type());
-        s.ended->block(impl.getStream(s.device.device()));
-      } catch (...) { // NOLINT(bugprone-empty-catch): a destructor; the device is failing anyway
-      }
+    try {
+      c10::impl::VirtualGuardImpl impl(device_.device().type());
+      ended_->block(impl.getStream(device_.device()));
+    } catch (...) { // NOLINT(bugprone-empty-catch): a destructor; the device is failing anyway
     }
   }
-  s.device.reset();
-  s.host.reset();
 }
 
 at::Tensor copy_to_device(const at::Tensor& host, c10::ScalarType dtype) {

@@ -8,8 +8,10 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
 
-#include <memory>
+#include <chrono>
+#include <optional>
 #include <string>
 
 namespace lazymem {
@@ -37,20 +39,22 @@ class PendingCopy {
   explicit PendingCopy(const at::Tensor& host);
   PendingCopy(const PendingCopy&) = delete;
   PendingCopy& operator=(const PendingCopy&) = delete;
-  // A copy dropped unread still owns its destination until it ends (on a stream: the compute stream
-  // is ordered after it before the memory is freed).
+  // On a stream, a copy dropped unread orders the compute stream after it before its memory is freed.
   ~PendingCopy();
-  // The device copy, once the copy has ended (or, on a stream, once the compute stream is ordered after
-  // it). Rethrows the copy's error.
+  // The device copy, once the copy has ended (the simulated device: the link has carried it; a
+  // stream: the compute stream is ordered after it).
   const at::Tensor& get();
-  int64_t bytes() const;
-
-  struct State;
+  int64_t bytes() const {
+    return bytes_;
+  }
 
  private:
-  std::shared_ptr<State> state_;
+  at::Tensor host_, device_;
+  int64_t bytes_ = 0;
+  std::chrono::steady_clock::time_point ready_{}; // the simulated device's: when the link has carried it
+  std::optional<c10::Event> ended_;               // a copy stream's: the copy's end on it...
+  bool ordered_ = false;                          // ...and whether the compute stream waits for it
 };
-
 // The modeled link of the simulated device, in bytes per second each way (0: not modeled — copies
 // take what the memcpy takes). torch_lazymem.testing.simulated_device(link=...).
 void set_link_bandwidth(double bytes_per_second);

@@ -5,6 +5,8 @@
 #include <atomic>
 #include <sstream>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "core/config.h"
 #include "plan/workspace.h"
@@ -154,13 +156,18 @@ class Simulator {
     // The device copies of host-held rows started a chunk ahead (copied_ahead): one per use, held
     // across the whole loop (the next chunk's starts as soon as the node has read this chunk's).
     Affine ahead;
+    std::vector<std::pair<const PlannedNode*, size_t>> ahead_uses;
     for (const PlannedNode& pn : st.nodes) {
       for (size_t i = 0; i < pn.uses.size(); ++i) {
         if (copied_in(*pn.node, pn.node->uses[i]) && copied_ahead(st, pn, i)) {
           ahead.per_row += bytes_per_row(pn.node->uses[i].ref.meta, pn.uses[i], st.batch);
+          ahead_uses.emplace_back(&pn, i);
         }
       }
     }
+    auto held_ahead = [&](const PlannedNode& pn, size_t i) {
+      return std::find(ahead_uses.begin(), ahead_uses.end(), std::make_pair(&pn, i)) != ahead_uses.end();
+    };
     cur_ += ahead;
     std::vector<char> adopted(st.slots.size(), 0); // partials that became accumulators
     auto slot_bytes = [&](int32_t i) {
@@ -187,8 +194,7 @@ class Simulator {
             } else if (!on_host(n.uses[i].ref.buf.get())) {
               out.bytes += touch(n.uses[i].ref.buf.get(), n.uses[i].ref.meta.extent_bytes());
             }
-          } else if (bd.bind == Bind::kNarrow && (bd.outer != 1 || copied_in(n, n.uses[i])) &&
-                     !(copied_in(n, n.uses[i]) && copied_ahead(st, pn, i))) {
+          } else if (bd.bind == Bind::kNarrow && (bd.outer != 1 || copied_in(n, n.uses[i])) && !held_ahead(pn, i)) {
             // A gathered copy, or the chunk's rows of a host-held value copied to the device.
             copies.per_row += bytes_per_row(n.uses[i].ref.meta, bd, st.batch);
           }

@@ -90,9 +90,9 @@ void conv_backward_overrideable(const c10::OperatorHandle&, torch::jit::Stack* s
 // backing, where the op has no CPU kernel, eager runs its per-tensor slow path: so does lazymem,
 // recording one node per tensor, as a CPU-only build of torch does — what the planner splits along
 // the tensor list (plan/lanes.h) and what CPU eager computes, the same kernels.
+// (Registered for the _foreach_ ops that have no CPU kernel and a CompositeExplicitAutograd one.)
 void foreach_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  if (backing_device().is_cpu() && !op.hasKernelForDispatchKey(c10::DispatchKey::CPU) &&
-      op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd)) {
+  if (backing_device().is_cpu()) {
     op.callBoxedForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd, *stack);
     return;
   }
@@ -128,7 +128,8 @@ const bool g_captured = [] {
     if (!(ceanf || foreach || hybrid) || op->hasTag(at::Tag::inplace_view)) continue;
     std::string qualified = name.name.substr(6);
     if (!name.overload_name.empty()) qualified += "." + name.overload_name;
-    if (name.name.rfind("aten::_foreach_", 0) == 0) {
+    if (foreach && !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) &&
+        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd)) {
       lib->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&foreach_fallback>());
     } else {
       lib->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&sync_fallback>());
