@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from . import check_version, enabled, lazymem_is_default, on_import
+from . import check_version, lazymem_is_default, on_import
 
 TESTED = ("2.6",)
 # The package prefix of Lightning's trainer code -> (distribution name for the version check).
