@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from . import _C  # noqa: F401 - loads the core library: guard, allocator, hooks and kernels register
+from . import (
+    _C,  # noqa: F401 - loads the core library: guard, allocator, hooks and kernels register
+    _cuda,
+)
 from ._progress import report as _report_progress
 from ._registration import register as _register
 from .api import (
@@ -53,6 +56,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 _register()
+_cuda.install()
 _C._set_progress_callback(_report_progress)
 
 from . import distributed as _distributed  # noqa: E402  (the c10d backend of the lazymem device)

@@ -48,6 +48,19 @@ void set_backing_device_unchecked(c10::Device d) {
   g_backing_index = d.is_cpu() ? -1 : (d.has_index() ? d.index() : 0);
 }
 
+void init_backing_device() {
+  static std::atomic<bool> done{false};
+  static std::mutex mu;
+  if (done.load(std::memory_order_acquire)) return;
+  c10::Device d = backing_device();
+  if (d.is_cpu()) return;
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.load(std::memory_order_relaxed)) return;
+  at::globalContext().lazyInitDevice(d.type());
+  if (flush_hooks().backing_initialized) flush_hooks().backing_initialized(d);
+  done.store(true, std::memory_order_release);
+}
+
 FlushHooks& flush_hooks() {
   static FlushHooks* h = new FlushHooks();
   return *h;

@@ -25,6 +25,10 @@ c10::Device backing_device();
 c10::DispatchKey backing_key();
 // Sets the backing device without any checks; the caller validates first.
 void set_backing_device_unchecked(c10::Device d);
+// Initializes the backing device's runtime once (CUDA: its context and caching allocator), before
+// lazymem's first allocation, copy or memory query there: lazymem may be the process's first CUDA
+// user, and ATen's CUDA allocator refuses a device nobody initialized. Cheap after the first call.
+void init_backing_device();
 
 // Flush entry points, installed by sync/ at static-init time.
 struct FlushHooks {
@@ -39,6 +43,10 @@ struct FlushHooks {
   // Progress of a materialization expected to run long: chunks done of the plan's total, then once
   // with `finished` (installed by the Python bindings: a tqdm bar on a terminal).
   std::function<void(int64_t done, int64_t total, bool finished)> progress;
+  // Called once after the backing device's runtime is initialized (installed by the Python
+  // bindings: reads the CUDA allocator's per-process memory fraction, which has no C++ interface
+  // outside the CUDA build).
+  std::function<void(c10::Device)> backing_initialized;
 };
 FlushHooks& flush_hooks();
 inline void flush_until(uint64_t seq) {

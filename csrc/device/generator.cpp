@@ -15,6 +15,7 @@ at::Generator make_backing_generator(uint64_t seed) {
   if (dev.is_cpu()) {
     g = at::detail::createCPUGenerator(seed);
   } else {
+    init_backing_device();
     g = at::globalContext().getAcceleratorHooksInterface(dev.type()).getNewGenerator(dev.index());
     g.set_current_seed(seed);
   }

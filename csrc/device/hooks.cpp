@@ -98,7 +98,10 @@ struct LazyHooks final : public at::PrivateUse1HooksInterface {
     return host_pinned().contains(data);
   }
   c10::Allocator* getPinnedMemoryAllocator() const override {
-    if (backing_device().is_cuda()) return at::detail::getCUDAHooks().getPinnedMemoryAllocator();
+    if (backing_device().is_cuda()) {
+      init_backing_device();
+      return at::detail::getCUDAHooks().getPinnedMemoryAllocator();
+    }
     return &host_pinned();
   }
   bool hasPrimaryContext(c10::DeviceIndex) const override {

@@ -55,7 +55,7 @@ bool draws_from_generator(const PlannedNode& pn) {
 
 class Walker {
  public:
-  explicit Walker(const Plan& plan) : plan_(plan) {
+  Walker(const Plan& plan, DevicePeakWindow* device_peak) : plan_(plan), device_peak_(device_peak) {
     out_.epoch = g_epochs.fetch_add(1, std::memory_order_relaxed) + 1;
     for (const Stage& st : plan.stages) total_chunks_ += st.loop ? st.chunks() : 0;
   }
@@ -99,6 +99,7 @@ class Walker {
       observe_node_time(node_time_key(pn), std::max<int64_t>(rows, 1),
                         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
       ++out_.executed;
+      if (device_peak_) device_peak_->sample();
       stamp_writes(n);
       if (counting_) {
         learn(pn, rows, binder.take_copied_bytes());
@@ -446,6 +447,7 @@ class Walker {
   }
 
   const Plan& plan_;
+  DevicePeakWindow* device_peak_; // a CUDA-like backing device's (else the counting allocator's)
   ExecOutcome out_;
   torch::jit::Stack stack_;
   const bool counting_ = backing_device().is_cpu(); // the counting allocator sees every byte
@@ -473,10 +475,12 @@ ExecOutcome execute(const Plan& plan, c10::ArrayRef<Node*> random_nodes) {
   DrawOrder draws(random_nodes);
   std::optional<c10::DeviceGuard> device_guard;
   if (!backing_device().is_cpu()) device_guard.emplace(backing_device());
-  ExecOutcome out = Walker(plan).run();
+  std::optional<DevicePeakWindow> device_peak;
+  if (!backing_device().is_cpu()) device_peak.emplace(backing_device());
+  ExecOutcome out = Walker(plan, device_peak ? &*device_peak : nullptr).run();
   if (!out.oom) draws.finish();
   device_counter().stop_injection();
-  out.peak = backing_device().is_cpu() ? device_counter().window_peak() : resident_bytes();
+  out.peak = device_peak ? device_peak->peak() : device_counter().window_peak();
   return out;
 }
 

@@ -1,6 +1,7 @@
 // execute: counting CPU allocator and memory counters.
 #include "execute/memory.h"
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <mutex>
@@ -282,6 +283,22 @@ int64_t host_available() {
   return cached;
 }
 
+#if LAZYMEM_TORCH_AT_LEAST(2, 9)
+c10::CachingDeviceAllocator::DeviceStats device_stats(c10::Device d) {
+  return c10::getDeviceAllocator(d.type())->getDeviceStats(d.index());
+}
+constexpr auto kAllPools = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+#endif
+
+constexpr int kMaxDevices = 64;
+std::atomic<double> g_fraction[kMaxDevices];
+
+double device_memory_fraction(int64_t index) {
+  if (index < 0 || index >= kMaxDevices) return 1.0;
+  const double f = g_fraction[index].load(std::memory_order_relaxed);
+  return f > 0.0 ? f : 1.0; // 0: never set
+}
+
 int64_t with_margin(int64_t total) {
   // Room for allocator rounding and fragmentation, library workspaces and the rest of the process.
   int64_t margin = std::max<int64_t>(int64_t{256} << 20, total / 10);
@@ -300,15 +317,89 @@ int64_t memory_budget() {
     return with_margin(host_available() + device_counter().allocated());
   }
   if (user >= 0) return user;
+  init_backing_device();
 #if LAZYMEM_TORCH_AT_LEAST(2, 9)
   try {
     auto [free, total] = c10::getDeviceAllocator(dev.type())->getMemoryInfo(dev.index());
-    (void)total;
-    return with_margin(static_cast<int64_t>(free) + resident_bytes());
+    const auto st = device_stats(dev);
+    const int64_t allocated = st.allocated_bytes[kAllPools].current;
+    const int64_t cached_free = std::max<int64_t>(0, st.reserved_bytes[kAllPools].current - allocated);
+    int64_t can_give = static_cast<int64_t>(free) + cached_free;
+    const double fraction = device_memory_fraction(dev.index());
+    if (fraction < 1.0) {
+      can_give = std::min(can_give, static_cast<int64_t>(fraction * static_cast<double>(total)) - allocated);
+    }
+    return with_margin(std::max<int64_t>(0, can_give) + resident_bytes());
   } catch (const c10::Error&) {
   }
 #endif
   return -1; // unknown: plan without a budget (nothing splits unless asked to)
+}
+
+bool budget_enforced() {
+  if (!backing_device().is_cpu()) return false;
+  const int64_t cap = device_counter().capacity();
+  const int64_t user = config().memory_budget.load(std::memory_order_relaxed);
+  return cap >= 0 && (user < 0 || user >= cap);
+}
+
+int64_t plan_target(int64_t budget) {
+  if (budget < 0 || backing_device().is_cpu()) return budget;
+  return budget - budget / 10;
+}
+
+int64_t release_cached_blocks(int64_t headroom) {
+  const c10::Device dev = backing_device();
+  if (dev.is_cpu()) return 0;
+#if LAZYMEM_TORCH_AT_LEAST(2, 9)
+  const auto before = device_stats(dev);
+  const int64_t cached = before.reserved_bytes[kAllPools].current - before.allocated_bytes[kAllPools].current;
+  if (cached <= std::max<int64_t>(headroom, 0)) return 0;
+  c10::getDeviceAllocator(dev.type())->emptyCache();
+  return before.reserved_bytes[kAllPools].current - device_stats(dev).reserved_bytes[kAllPools].current;
+#else
+  (void)headroom;
+  return 0;
+#endif
+}
+
+void set_device_memory_fraction(int64_t index, double fraction) {
+  LAZYMEM_CHECK_VALUE(index >= 0 && index < kMaxDevices && fraction > 0.0 && fraction <= 1.0,
+                      "set_device_memory_fraction: device ", index, ", fraction ", fraction,
+                      " (expected a device index below ", kMaxDevices, " and a fraction in (0, 1])");
+  g_fraction[index].store(fraction, std::memory_order_relaxed);
+}
+
+DevicePeakWindow::DevicePeakWindow(c10::Device device) : device_(device) {
+  const int64_t resident = resident_bytes();
+  others_ = allocated() - resident;
+  peak_before_ = process_peak();
+  seen_ = resident;
+}
+
+int64_t DevicePeakWindow::allocated() const {
+#if LAZYMEM_TORCH_AT_LEAST(2, 9)
+  return device_stats(device_).allocated_bytes[kAllPools].current;
+#else
+  return resident_bytes();
+#endif
+}
+
+int64_t DevicePeakWindow::process_peak() const {
+#if LAZYMEM_TORCH_AT_LEAST(2, 9)
+  return device_stats(device_).allocated_bytes[kAllPools].peak;
+#else
+  return 0;
+#endif
+}
+
+void DevicePeakWindow::sample() {
+  seen_ = std::max(seen_, allocated() - others_);
+}
+
+int64_t DevicePeakWindow::peak() const {
+  const int64_t p = process_peak();
+  return p > peak_before_ ? std::max(seen_, p - others_) : seen_;
 }
 
 bool install_counting_cpu_allocator() {

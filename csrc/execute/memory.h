@@ -6,6 +6,8 @@
 // torch_lazymem.testing.memory_cap() so eager PyTorch can be run under the same capacity.
 #pragma once
 
+#include <c10/core/Device.h>
+
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -89,9 +91,52 @@ void pop_counting_scope();
 int64_t worker_allocations();
 // Bytes lazymem may hold on the backing device, resident values included: the user's budget
 // (torch_lazymem.set_memory_budget / LAZYMEM_MEMORY_BUDGET), capped by the simulated device's
-// capacity; by default the capacity, or the device's free memory plus what lazymem already holds,
-// minus a margin (CUDA: the caching allocator's memory info; CPU: the host's available memory).
+// capacity; by default the capacity, or what the device can still give lazymem plus what lazymem
+// already holds, minus a margin (max(256 MiB, 10%)). On CUDA "can still give" is the caching
+// allocator's: the device's free memory plus this process's cached free blocks, capped by the
+// per-process memory fraction (fraction x total, less what the process has allocated); on the CPU,
+// the host's available memory.
 int64_t memory_budget();
+// Whether an allocator raises out of memory past the budget: the simulated device, when the budget
+// is its capacity. Elsewhere (a budget set below the device, a plain CPU backing, CUDA) nothing
+// would stop a plan from running over it, so a plan predicted over the budget is refused instead.
+bool budget_enforced();
+// What a plan may allocate at its peak under `budget` (-1: no budget). On a CUDA-like backing device,
+// 90% of it: the caching allocator reserves more than it hands out (2 MiB-rounded segments, cached
+// blocks of other sizes) — tools/gpu_check.py's capped runs reserved up to 1.10x their allocated
+// peak — and torch.cuda.max_memory_reserved() is what must stay within the budget. The CPU's
+// counting allocator has no such overhead.
+int64_t plan_target(int64_t budget);
+// Before a new plan runs on a CUDA-like device: when the caching allocator holds more cached free
+// bytes than the plan leaves of its budget (`headroom`), they go back to the device (emptyCache).
+// Blocks cached for other shapes (an earlier batch size, another program) would otherwise add to
+// what the process reserves while the plan allocates anew. Reused plans find their own blocks cached
+// and skip this. Returns the bytes released.
+int64_t release_cached_blocks(int64_t headroom);
+// The CUDA caching allocator's per-process memory fraction of a device (1.0 = no limit), as the
+// Python bindings read it at first use and whenever torch.cuda.set_per_process_memory_fraction
+// changes it (the CUDA allocator's own interface is outside the CPU build).
+void set_device_memory_fraction(int64_t index, double fraction);
+// lazymem's peak bytes on a CUDA-like backing device during one execution, resident values included,
+// from the caching allocator's allocated-bytes statistics (lazymem's own allocations and its kernels'
+// go through it): exact when the execution sets the process's peak — a training step usually does —
+// else the largest value seen at node boundaries. Other threads' allocations meanwhile count as
+// lazymem's. The allocator's peak is never reset (the user's max_memory_allocated() stays theirs).
+class DevicePeakWindow {
+ public:
+  explicit DevicePeakWindow(c10::Device device);
+  void sample(); // after a node
+  int64_t peak() const;
+
+ private:
+  int64_t allocated() const;
+  int64_t process_peak() const;
+  c10::Device device_;
+  int64_t others_ = 0;     // bytes allocated by the rest of the process when the window opened
+  int64_t peak_before_ = 0; // the process's peak then
+  int64_t seen_ = 0;        // the largest sample, as lazymem's bytes
+};
+
 // Installs the counting CPU allocator; idempotent. Returns false (and leaves counting off) if
 // another allocator with a higher priority owns the CPU slot.
 bool install_counting_cpu_allocator();

@@ -28,6 +28,7 @@ c10::Storage allocate_real(size_t nbytes) {
     CountingScope scope(&device_counter());
     return c10::Storage(c10::Storage::use_byte_size_t(), nbytes, c10::GetCPUAllocator(), /*resizable=*/true);
   }
+  init_backing_device();
   c10::DeviceGuard guard(dev);
   return c10::Storage(c10::Storage::use_byte_size_t(), nbytes, c10::GetAllocator(dev.type()), /*resizable=*/true);
 }
@@ -37,6 +38,7 @@ c10::Storage allocate_host(size_t nbytes) {
   c10::Device dev = backing_device();
   c10::Allocator* alloc = c10::GetCPUAllocator();
   if (!dev.is_cpu()) {
+    init_backing_device();
     try {
       alloc = at::globalContext().getPinnedMemoryAllocator(dev.type());
     } catch (const c10::Error&) {

@@ -57,6 +57,10 @@ bool attention_common(const RuleCall& c, RuleResult& r, std::initializer_list<in
   }
   for (size_t j = 0; j < c.outs.size(); ++j) {
     if (c.outs[j].dim() == 1 && c.outs[j].sizes[0] == 0) continue; // an empty placeholder (no weights)
+    if (c.outs[j].dim() == 0) {
+      r.outs[j] = Place::R(); // the memory-efficient kernel's dropout seed and offset (unread without dropout)
+      continue;
+    }
     if (c.outs[j].dim() == 0 || c.outs[j].sizes[0] != rows) return fail(r, "an output without the batch");
     r.outs[j] = p->at(0);
   }
@@ -103,10 +107,35 @@ bool flash_cpu_backward(const RuleCall& c, RuleResult& r) {
   return attention_common(c, r, {0, 1, 2, 3, 4, 5}, 8);
 }
 
+// _scaled_dot_product_efficient_attention(query, key, value, attn_bias, compute_log_sumexp, dropout_p,
+//   is_causal, scale) -> (output, log_sumexp, philox_seed, philox_offset): CUDA's memory-efficient
+//   kernel, (B, heads, L, E) operands; the log-sum-exp keeps the batch at dim 0.
+bool efficient(const RuleCall& c, RuleResult& r) {
+  if (!dropout_free(c, 5)) return fail(r, "attention dropout inside the fused kernel");
+  r.no_draws = true;
+  if (nothing_batched(c)) return replicated(c, r);
+  return attention_common(c, r, {0, 1, 2}, 3);
+}
+
+// ..._backward(grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset,
+//   dropout_p, grad_input_mask, is_causal, scale) -> (grad_query, grad_key, grad_value, grad_bias)
+bool efficient_backward(const RuleCall& c, RuleResult& r) {
+  if (!dropout_free(c, 9)) return fail(r, "attention dropout inside the fused kernel");
+  r.no_draws = true;
+  if (c.outs.size() > 3 && c.outs[3].dim() > 0 && c10::multiply_integers(c.outs[3].sizes) > 0) {
+    return fail(r, "the attention mask's gradient (a sum over the batch)");
+  }
+  if (nothing_batched(c)) return replicated(c, r);
+  return attention_common(c, r, {0, 1, 2, 3, 5, 6}, 4);
+}
+
 const bool registered = [] {
   register_placement_rules("attention", {"aten::_scaled_dot_product_flash_attention_for_cpu"}, &flash_cpu);
   register_placement_rules("attention", {"aten::_scaled_dot_product_flash_attention_for_cpu_backward"},
                            &flash_cpu_backward);
+  register_placement_rules("attention", {"aten::_scaled_dot_product_efficient_attention"}, &efficient);
+  register_placement_rules("attention", {"aten::_scaled_dot_product_efficient_attention_backward"},
+                           &efficient_backward);
   register_placement_rules("attention", {"aten::_transformer_encoder_layer_fwd"}, &encoder_layer);
   register_placement_rules("attention", {"aten::_native_multi_head_attention"}, &native_mha);
   return true;

@@ -15,6 +15,7 @@
 #include "core/config.h"
 #include "core/runtime.h"
 #include "distributed/collectives.h"
+#include "device/cuda_autograd.h"
 #include "device/generator.h"
 #include "device/phantom.h"
 #include "execute/memory.h"
@@ -252,6 +253,36 @@ PYBIND11_MODULE(_C, m) {
         (*callback)(done, total, finished);
       } catch (py::error_already_set& e) {
         e.discard_as_unraisable("torch_lazymem progress callback");
+      }
+    };
+  });
+  // Eager CUDA autograd beside the registered lazymem device (device/cuda_autograd.h).
+  m.def("_backward_devices", [](const std::vector<at::Tensor>& roots) {
+    switch (backward_devices(roots)) {
+      case BackwardDevices::kCudaOnly:
+        return "cuda";
+      case BackwardDevices::kCudaAndLazy:
+        return "cuda+lazymem";
+      default:
+        return "other";
+    }
+  });
+  m.def("_cuda_autograd_guard_available", cuda_autograd_guard_available);
+  m.def("_run_hiding_registration", wrap([](const py::function& fn) {
+    CudaBackwardScope scope;
+    return fn();
+  }));
+  m.def("_set_device_memory_fraction", wrap(set_device_memory_fraction));
+  m.def("_set_backing_initialized_callback", [](py::object fn) {
+    static py::object* callback = new py::object(); // never destroyed: called until exit
+    *callback = fn;
+    flush_hooks().backing_initialized = [](c10::Device d) {
+      if (!Py_IsInitialized()) return;
+      py::gil_scoped_acquire gil;
+      try {
+        (*callback)(py::cast(d));
+      } catch (py::error_already_set& e) {
+        e.discard_as_unraisable("torch_lazymem: reading the CUDA memory fraction");
       }
     };
   });

@@ -1,10 +1,8 @@
 // record: kernels registered directly on PrivateUse1 that never run anything — factories,
-// metadata-only views, resize_/set_, the shallow-copy check, SDPA's kernel choice — and the
+// metadata-only views, resize_/set_, the shallow-copy check — and the
 // dispatcher plumbing that is not recording (autograd fallback, conjugate/negative fallthroughs,
 // sparse errors). The kernels that record or reach a sync point are registered by sync/register.cpp.
 #include <ATen/EmptyTensor.h>
-#include <ATen/native/transformers/attention.h>
-#include <ATen/SDPBackend.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/unfold_native.h>
@@ -133,42 +131,8 @@ bool lazy_has_compatible_shallow_copy_type(const at::Tensor& self, const at::Ten
       (is_lazy(self) || self.is_cpu() || self.is_cuda()) && (is_lazy(from) || from.is_cpu() || from.is_cuda());
 }
 
-// Scaled-dot-product attention picks its kernel by device type above the backend; pick what the
-// backing device would pick, so lazymem on the CPU decomposes exactly as eager CPU does.
-#if LAZYMEM_TORCH_AT_LEAST(2, 5)
-int64_t lazy_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        const std::optional<at::Tensor>& mask, double dropout, bool is_causal,
-                        std::optional<double> scale, bool enable_gqa) {
-  if (!backing_device().is_cpu()) return static_cast<int64_t>(at::SDPBackend::math);
-  // The CPU kernel of aten::_fused_sdp_choice reads metadata only (dtypes, shapes, strides, flags).
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("aten::_fused_sdp_choice", "")
-          .typed<int64_t(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                         double, bool, std::optional<double>, bool)>();
-  return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), q, k, v, mask, dropout, is_causal, scale,
-                       enable_gqa);
-}
-#else
-int64_t lazy_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        const std::optional<at::Tensor>& mask, double dropout, bool is_causal,
-                        std::optional<double> scale) {
-  if (!backing_device().is_cpu()) return static_cast<int64_t>(at::SDPBackend::math);
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("aten::_fused_sdp_choice", "")
-          .typed<int64_t(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                         double, bool, std::optional<double>)>();
-  return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), q, k, v, mask, dropout, is_causal, scale);
-}
-#endif
-
 } // namespace
 } // namespace lazymem
-
-namespace at::native {
-REGISTER_PRIVATEUSE1_DISPATCH(_fused_sdp_choice_stub, &lazymem::lazy_sdp_choice)
-} // namespace at::native
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   using namespace lazymem;

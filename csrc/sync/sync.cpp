@@ -158,6 +158,23 @@ size_t put_back_all(Segment& seg, uint64_t epoch) {
   return count;
 }
 
+// A plan predicted over a budget no allocator enforces (see budget_enforced) does not run: running
+// it would hold more than the budget promises. Nothing ran; the nodes are pending again.
+[[noreturn]] void refuse_over_budget(Segment& seg, Plan& plan, int64_t budget, int64_t target) {
+  std::string why;
+  for (const std::string& n : plan.notes) why += n + ". ";
+  const std::string limit = target == budget
+      ? "the memory budget of " + format_bytes(budget)
+      : format_bytes(target) + " (of a " + format_bytes(budget) + " memory budget; the rest is left to the CUDA "
+          "caching allocator's rounding and cached blocks)";
+  const size_t pending = put_back_all(seg, 0);
+  TORCH_CHECK_WITH(OutOfMemoryError, false, "lazymem: out of memory: the program's plan needs ",
+                   format_bytes(plan.predicted_peak), " at its peak by the memory model, over ", limit, ". ", why,
+                   "Nothing ran and nothing was lost: ", pending,
+                   " recorded ops are still pending (raise the budget with torch_lazymem.set_memory_budget, or free "
+                   "tensors, then read the value again)");
+}
+
 // The plan and what was measured, as torch_lazymem.explain() prints it.
 void remember(const Plan& plan, const ExecOutcome& out, double ms, double plan_ms) {
   std::string text = plan.to_string();
@@ -176,6 +193,7 @@ void remember(const Plan& plan, const ExecOutcome& out, double ms, double plan_m
 // the run made progress (what is left is smaller), or it is the first failure (memory another
 // process held for a moment, an injected failure).
 bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
+  init_backing_device(); // kernels allocate their outputs themselves
   PlanInput in;
   in.nodes.reserve(seg.nodes.size());
   for (const auto& n : seg.nodes) in.nodes.push_back(n.get());
@@ -184,7 +202,8 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   if (seg.tape.valid) in.tape = &seg.tape;
   in.keep_pending = req.keep_pending;
   in.resident = device_bytes_held();
-  in.budget = memory_budget();
+  const int64_t budget = memory_budget();
+  in.budget = plan_target(budget);
   in.force_chunks = config().force_chunks.load(std::memory_order_relaxed);
   in.cpu_backing = backing_device().is_cpu();
   const int recompute = config().recompute.load(std::memory_order_relaxed);
@@ -201,6 +220,8 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
     plan = make_plan(in);
   }
   const auto planned = std::chrono::steady_clock::now();
+  if (in.budget >= 0 && plan.predicted_peak > in.budget && !budget_enforced()) refuse_over_budget(seg, plan, budget, in.budget);
+  if (budget >= 0 && !plan.reused && !in.cpu_backing) release_cached_blocks(budget - plan.predicted_peak);
   stats().plan_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(planned - t0).count(),
                             std::memory_order_relaxed);
   stats().nodes_planned.fetch_add(in.nodes.size(), std::memory_order_relaxed);

@@ -97,3 +97,18 @@ def test_simulated_capacity_bounds_what_lazymem_holds():
         b = torch.randn(1024, 256, device="lazymem")
         assert b.sum().item() == pytest.approx(b.cpu().sum().item())
         assert torch.lazymem.max_memory_allocated() <= MiB + 1024
+
+
+def test_a_plan_over_a_budget_nothing_enforces_is_refused_and_nothing_is_lost():
+    # No simulated device: nothing would stop the plan from holding more than the budget promises.
+    a = torch.randn(512, 512)
+    w = a.to("lazymem")
+    y = (w @ w).relu().sum()  # no batch to split along: 1 MiB inputs, 1 MiB product
+    torch_lazymem.set_memory_budget("1MiB")
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match=r"lazymem: out of memory: the program's plan needs .* over the memory budget of 1\.00 MiB.*Nothing ran and nothing was lost"):
+            y.item()
+    finally:
+        torch_lazymem.set_memory_budget(None)
+    assert torch.equal(y.cpu(), (a @ a).relu().sum())
+

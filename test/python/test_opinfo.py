@@ -87,7 +87,7 @@ IMPORTANT = [
 ]
 
 # Known failures, from running the whole op_db (tools/opinfo_report.py): op -> why. Strict xfails.
-XFAIL = {
+XFAIL_CPU = {
     "native_batch_norm": (
         "eval mode (training=False): the CPU kernel returns save_mean/save_invstd empty, shape (0,), but "
         "lazymem's meta inference gives them shape (C,) (samples with training=False)"
@@ -111,6 +111,29 @@ NONDETERMINISTIC_CPU = {
     "linalg.lstsq.grad_oriented": "MKL gelsy results depend on buffer alignment (differ by ~1e-6 between CPU runs too)",
     "linalg.eig": "LAPACK geev eigenvectors depend on buffer alignment: gradients differ by ~1e-6 on some machines",
 }
+# The suite's CUDA mode (conftest.BACKING == "cuda": eager references on CUDA). The eval-mode batch
+# norm statistics and sparse.mm.reduce pass there (CUDA's kernel sizes them as meta does; eager CUDA
+# rejects the sparse sample); jiterator ops are CUDA-only JIT kernels that guard on their input's
+# device.
+XFAIL_CUDA = {
+    **{k: v for k, v in XFAIL_CPU.items() if k not in ("native_batch_norm", "_native_batch_norm_legit", "sparse.mm.reduce")},
+    "jiterator_binary_return_by_ref": "jiterator kernels are CUDA JIT kernels that refuse a lazymem input",
+    "nn.functional.scaled_dot_product_attention": (
+        "samples with dropout: eager CUDA's fused kernels draw their dropout inside (a philox seed and offset "
+        "their backward reads on the host); lazymem takes the math path there, with other draws"
+    ),
+}
+# Not bitwise on CUDA, by design or not yet understood; values within TOLERANCE pass.
+NONDETERMINISTIC_CUDA = {
+    "nn.functional.batch_norm": "eager CUDA runs cuDNN's batch norm, lazymem ATen's native kernel (which it can split)",
+    "nn.functional.instance_norm": "a batch norm inside: cuDNN in eager CUDA, ATen's native kernel on lazymem",
+    "nn.functional.grid_sample": "eager CUDA takes cuDNN's grid sampler for 4-d inputs; its backward adds atomically",
+    "nn.functional.interpolate.bilinear": "the CUDA backward adds atomically (run-to-run nondeterministic)",
+    "renorm": "the gradient differs from eager CUDA by ~4e-9 (not yet investigated)",
+}
+CUDA = opinfo.eager_device() == "cuda"
+XFAIL = XFAIL_CUDA if CUDA else XFAIL_CPU
+NOT_BITWISE = NONDETERMINISTIC_CUDA if CUDA else NONDETERMINISTIC_CPU
 TOLERANCE = 1e-4
 
 
@@ -118,7 +141,7 @@ def _subset() -> list[str]:
     names = sorted(opinfo.op_names())
     known = set(names)
     chosen = set(names[::STRIDE]) | {n for n in IMPORTANT if n in known} | {n for n in XFAIL if n in known}
-    chosen |= {n for n in NONDETERMINISTIC_CPU if n in known}
+    chosen |= {n for n in NOT_BITWISE if n in known}
     return sorted(chosen)
 
 
@@ -145,8 +168,8 @@ def _one_thread():
 def _check(name: str, mode: str, max_samples: int) -> None:
     op = opinfo.find_op(name)
     torch.manual_seed(opinfo.SAMPLE_SEED)  # the same samples as tools/opinfo_report.py
-    # NONDETERMINISTIC_CPU ops: values within TOLERANCE of the CPU's (absolute) pass.
-    atol = TOLERANCE if name in NONDETERMINISTIC_CPU else 0.0
+    # NOT_BITWISE ops: values within TOLERANCE of eager's (absolute) pass.
+    atol = TOLERANCE if name in NOT_BITWISE else 0.0
     outcomes = list(opinfo.RUNNERS[mode](op, max_samples, atol=atol))
     failures = [o for o in outcomes if o.status in (opinfo.ERROR, opinfo.MISMATCH)]
     assert not failures, f"{len(failures)}/{len(outcomes)} samples fail:\n" + "\n".join(
@@ -163,8 +186,15 @@ def test_opinfo_forward(name: str) -> None:
 BACKWARD_STRIDE = 8
 XFAIL_BACKWARD = {
     "to_sparse": XFAIL["to_sparse"],
-    "sparse.mm.reduce": XFAIL["sparse.mm.reduce"],
     "sparse.sampled_addmm": XFAIL["sparse.sampled_addmm"],
+    **(
+        {
+            "to": "samples that move to CUDA: a backward from CUDA through lazymem raises (pytorch issue 161129)",
+            "nn.functional.scaled_dot_product_attention": XFAIL["nn.functional.scaled_dot_product_attention"],
+        }
+        if CUDA
+        else {"sparse.mm.reduce": XFAIL["sparse.mm.reduce"]}
+    ),
 }
 
 
@@ -173,7 +203,7 @@ def _backward_params() -> list:
     known = set(names)
     chosen = set(names[::BACKWARD_STRIDE]) | {n for n in IMPORTANT if n in known}
     chosen |= {n for n in XFAIL_BACKWARD if n in known}
-    chosen |= {n for n in NONDETERMINISTIC_CPU if n in known}
+    chosen |= {n for n in NOT_BITWISE if n in known}
     return _params(sorted(chosen), XFAIL_BACKWARD)
 
 
@@ -184,6 +214,7 @@ def test_opinfo_backward(name: str) -> None:
 
 def test_subset_is_sane() -> None:
     names = set(opinfo.op_names())
-    missing = [n for n in list(XFAIL) + list(NONDETERMINISTIC_CPU) if n not in names]
-    assert not missing, f"XFAIL/NONDETERMINISTIC_CPU name ops that op_db no longer has: {missing}"
+    lists = [*XFAIL_CPU, *XFAIL_CUDA, *NONDETERMINISTIC_CPU, *NONDETERMINISTIC_CUDA]
+    missing = [n for n in lists if n not in names]
+    assert not missing, f"XFAIL/NONDETERMINISTIC name ops that op_db no longer has: {missing}"
     assert len(_subset()) >= len(names) // STRIDE

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..api import backing_device
 from .compare import compare
 
 PASS, MISMATCH, ERROR, SKIP = "pass", "mismatch", "error", "skip"
@@ -76,8 +77,14 @@ def _to(device: str) -> Callable[[Any], Any]:
 
 def _to_cpu(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return x.cpu() if x.device.type == "lazymem" else x
+        return x.cpu() if x.device.type != "cpu" else x
     return x
+
+
+def eager_device() -> str:
+    """Where the eager reference runs: lazymem's backing device (the CPU, or CUDA in the suite's
+    CUDA mode), so that "bitwise" means the same kernels on the same device."""
+    return backing_device().type
 
 
 def _run(op: Any, sample: Any, seed: int) -> Any:
@@ -103,25 +110,26 @@ def _compare(
     op: Any,
     samples: list[Any],
     compute: Callable[[Any, Any, int], Any],
-    cpu_move: Callable[[Any], Any],
+    eager_move: Callable[[Any], Any],
     lazy_move: Callable[[Any], Any],
     atol: float = 0.0,
 ) -> Iterator[Outcome]:
-    """One Outcome per sample: compute(op, sample, seed) on the CPU and on lazymem, compared bitwise,
-    or up to an absolute difference of `atol` (shapes only for random ops, detected by a second CPU
-    run with another seed, compared bitwise)."""
+    """One Outcome per sample: compute(op, sample, seed) eagerly on the backing device and on lazymem,
+    compared bitwise, or up to an absolute difference of `atol` (shapes only for random ops, detected
+    by a second eager run with another seed, compared bitwise)."""
     name = full_name(op)
     for i, sample in enumerate(samples):
         try:
-            expected = compute(op, sample.transform(cpu_move), 1234)
+            expected = tree_map(_to_cpu, compute(op, sample.transform(eager_move), 1234))
         except _NotDifferentiable:
             yield Outcome(name, i, SKIP, "no differentiable output or input")
             continue
-        except Exception as e:  # noqa: BLE001 - the CPU itself rejects the sample: not a lazymem case
-            yield Outcome(name, i, SKIP, "cpu raised " + _short(e))
+        except Exception as e:  # noqa: BLE001 - eager itself rejects the sample: not a lazymem case
+            yield Outcome(name, i, SKIP, "eager raised " + _short(e))
             continue
         try:
-            random = not compare(expected, compute(op, sample.transform(cpu_move), 4321)).equal
+            again = tree_map(_to_cpu, compute(op, sample.transform(eager_move), 4321))
+            random = not compare(expected, again).equal
         except Exception:  # noqa: BLE001
             random = True
         try:
@@ -151,7 +159,7 @@ def run_op(op: Any, max_samples: int | None = None, atol: float = 0.0) -> Iterat
     if isinstance(samples, Outcome):
         yield samples
         return
-    yield from _compare(op, samples, _run, lambda x: x, _to("lazymem"), atol)
+    yield from _compare(op, samples, _run, _to(eager_device()), _to("lazymem"), atol)
 
 
 def _grad_inputs(sample: Any) -> list[torch.Tensor]:
@@ -201,7 +209,7 @@ def run_op_backward(op: Any, max_samples: int | None = None, atol: float = 0.0) 
     if isinstance(samples, Outcome):
         yield samples
         return
-    yield from _compare(op, samples, _grads, _leaf("cpu"), _leaf("lazymem"), atol)
+    yield from _compare(op, samples, _grads, _leaf(eager_device()), _leaf("lazymem"), atol)
 
 
 # Modes of comparison: name -> generator of Outcomes for one op, called as runner(op, max_samples)

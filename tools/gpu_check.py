@@ -1,0 +1,690 @@
+"""lazymem on one CUDA GPU against eager CUDA: correctness, memory and speed in under five minutes.
+
+    PYTHONPATH=. python tools/gpu_check.py     # one NVIDIA GPU; with OUT set: $OUT/gpu_check.{md,json,log}
+
+Prints a markdown table, one row per check (ok / FAIL / skip, and its figures):
+
+1. mixing: eager CUDA autograd in a process that imported torch_lazymem, before and after a lazymem
+   training step, and torch.accelerator still reporting lazymem (pytorch issue 161129).
+2. first use: a fresh process's first lazymem op (lazymem initializes CUDA itself); the backing device.
+3. MLP float32, 3 AdamW steps: losses, output and parameters bitwise equal to eager CUDA.
+4. GPT-2 (transformers, SDPA) float32, 3 AdamW steps at the default budget (not split): losses,
+   last logits and parameters bitwise equal to eager CUDA.
+5. GPT-2 float64 under a budget that splits it: within assert_close's defaults of eager CUDA.
+6. GPT-2 under bf16 autocast, 2 steps: parameters against eager CUDA's (FAIL beyond 1e-2).
+7. OpInfo forward samples of 46 common ops (float32): bitwise equal to eager CUDA.
+8. real cap: a GPT-2 under a 3 GiB per-process cap; eager's largest batch B_e, then lazymem at
+   B_e, 4 B_e and 8 B_e (default budget): time per step, throughput per sample against eager,
+   reserved memory against the cap, chunks and out-of-memory retries.
+9. tiny ops: time per op of 4,000 pointwise ops on 1,024 elements, eager CUDA and lazymem.
+
+Eager CUDA runs in worker processes that never import torch_lazymem (importing it may break eager
+CUDA autograd in the same process: pytorch issue 161129), lazymem in others; both save their results
+as CPU tensors (torch.save) and the parent, which initializes neither CUDA nor lazymem, compares them.
+A worker runs its items in turn; an item that raises, crashes or outlives its time limit is reported
+in its row and the remaining items run in a fresh worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import itertools
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+import unittest
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+Result = dict[str, Any]  # what a worker item saves, and a row's figures
+SMOKE = os.environ.get("LAZYMEM_GPU_CHECK_DEVICE") == "cpu"  # the test's smoke mode: the CPU, tiny sizes
+DEV = "cpu" if SMOKE else "cuda"
+DEVICE = {"eager": DEV, "lazy": "lazymem"}  # each side's device
+REPO = Path(__file__).resolve().parent.parent
+DEADLINE_S = 290  # the whole run; each item's time limit is cut to what is left
+GiB, MiB = 1 << 30, 1 << 20
+CAP = 3 * GiB
+
+
+def size(gpu: Any, cpu: Any) -> Any:
+    return cpu if SMOKE else gpu
+
+
+MLP = size((64, 256), (16, 32))  # batch, width
+GPT = size(dict(n_embd=256, n_head=4, vocab_size=50257), dict(n_embd=32, n_head=2, vocab_size=512))
+GPT_FP32, GPT_SPLIT, GPT_BF16 = size(((4, 16, 128), (2, 8, 64), (2, 16, 128)), ((1, 4, 16), (1, 8, 16), (1, 4, 16)))
+OPINFO_SAMPLES = size(6, 2)  # per op
+TINY_OPS = 4000
+OPINFO_OPS = [
+    "add", "sub", "mul", "div.no_rounding_mode", "pow", "matmul", "mm", "bmm", "addmm", "baddbmm",
+    "softmax", "log_softmax", "nn.functional.layer_norm", "nn.functional.gelu", "nn.functional.relu",
+    "nn.functional.silu", "sum", "mean", "var", "cumsum", "cat", "stack", "gather", "index_select",
+    "where", "clamp", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "max.reduction_with_dim", "amax",
+    "argmax", "topk", "sort", "nn.functional.conv2d", "nn.functional.embedding",
+    "nn.functional.cross_entropy", "nn.functional.linear", "nn.functional.scaled_dot_product_attention",
+    "masked_fill", "transpose", "abs", "neg",
+]  # fmt: skip
+
+
+class Skip(Exception):
+    """An item that cannot run here: its row says skip, with the reason."""
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:200]
+
+
+def progress(msg: str) -> None:
+    print(f"gpu_check: {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Programs: run by the workers, on DEV (eager) or on lazymem.
+
+
+def lazy_stats() -> dict[str, int]:
+    """torch_lazymem.stats() in a lazymem worker, {} in an eager one."""
+    lazymem = sys.modules.get("torch_lazymem")
+    return lazymem.stats() if lazymem else {}
+
+
+def finish(device: str) -> None:
+    """Everything recorded or queued so far has run: the end of a timed region."""
+    if device == "lazymem":
+        sys.modules["torch_lazymem"].sync()
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def mlp() -> nn.Module:
+    width = MLP[1]
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 10))
+
+
+def mlp_data() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(MLP[0], MLP[1], generator=g), torch.randint(0, 10, (MLP[0],), generator=g)]
+
+
+def mlp_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out = model(x)
+    return F.cross_entropy(out, y), out
+
+
+def gpt2(n_layer: int, dtype: torch.dtype = torch.float32, **config: Any) -> nn.Module:
+    """transformers' GPT-2 with SDPA attention and no dropout, built on the CPU with a fixed seed."""
+    import transformers
+
+    cfg = transformers.GPT2Config(n_layer=n_layer, n_positions=256, attn_pdrop=0.0, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_implementation="sdpa", **{**GPT, **config})
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg).to(dtype)
+
+
+def token_ids(batch: int, seq: int) -> torch.Tensor:
+    return torch.randint(0, GPT["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+def lm_loss(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out = model(input_ids=ids, labels=ids)
+    return out.loss, out.logits
+
+
+def train(model: nn.Module, device: str, inputs: list[torch.Tensor], loss_of: Callable[..., Any], steps: int,
+          autocast: str | None = None) -> Result:
+    """`steps` AdamW steps (loss.item() after each): losses, the last step's output, the final
+    parameters; on lazymem also the most chunks and device bytes of a materialization, the splits and
+    what stays held between steps (parameters, AdamW's state, the inputs)."""
+    if device == "lazymem":
+        sys.modules["torch_lazymem"].reset_stats()
+    model.to(device)
+    inputs = [t.to(device) for t in inputs]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    losses, chunks, peak = [], 0, 0
+    for _ in range(steps):
+        with torch.autocast(autocast, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            loss, out = loss_of(model, *inputs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        chunks, peak = max(chunks, lazy_stats().get("chunks", 0)), max(peak, lazy_stats().get("peak_bytes", 0))
+    finish(device)
+    stats = lazy_stats()
+    result = {"losses": torch.tensor(losses, dtype=torch.float64), "out": out.detach().cpu(),
+              "params": [p.detach().cpu() for p in model.parameters()], "chunks": max(chunks, stats.get("chunks", 0)),
+              "peak": max(peak, stats.get("peak_bytes", 0)), "splits": stats.get("splits", 0)}
+    del loss, out
+    if device == "lazymem":
+        result["held"] = torch.lazymem.memory_allocated()
+    return result
+
+
+def diff(a: Any, b: Any) -> float:
+    """The largest absolute difference (NaNs in the same places equal; inf for other shapes or types)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return 0.0 if a == b else math.inf
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return math.inf
+    if a.numel() == 0:
+        return 0.0
+    a, b = a.double(), b.double()
+    d = (a - b).abs()
+    d[(a == b) | (a.isnan() & b.isnan())] = 0
+    return float(d.nan_to_num(nan=math.inf).max())
+
+
+def bitwise(eager: list[torch.Tensor], lazy: list[torch.Tensor]) -> tuple[str, float, bool]:
+    """'equal/total', the largest difference, and whether all are equal."""
+    equal = sum(torch.equal(a, b) for a, b in zip(eager, lazy))
+    return f"{equal}/{len(eager)}", max(map(diff, eager, lazy), default=0.0), equal == len(eager) == len(lazy)
+
+
+def ok(passed: bool, figures: Result) -> tuple[str, Result]:
+    return ("ok" if passed else "FAIL"), figures
+
+
+# ----------------------------------------------------------------------------------------------------
+# The checks: each one's item(side) runs in a worker ("eager" or "lazy") and returns what is saved for
+# the parent; its judge(eager result, lazymem result) runs in the parent and gives the row.
+
+
+def item_mixing(side: str) -> Result:
+    def cuda_backward() -> None:
+        x = torch.randn(4, 4, device="cuda", requires_grad=True)
+        (x * 2).sum().backward()
+        if x.grad is None or not torch.equal(x.grad.cpu(), torch.full((4, 4), 2.0)):
+            raise AssertionError(f"x.grad is {x.grad}")
+
+    def accelerator() -> None:
+        if getattr(torch.accelerator.current_accelerator(), "type", None) != "lazymem":
+            raise AssertionError(f"current_accelerator() is {torch.accelerator.current_accelerator()}")
+
+    def lazymem_step() -> None:
+        train(mlp(), "lazymem", mlp_data(), mlp_loss, 1)
+
+    parts = {}
+    for name, fn in [("cuda backward", cuda_backward), ("lazymem step", lazymem_step),
+                     ("cuda backward after", cuda_backward), ("accelerator", accelerator)]:
+        try:
+            fn()
+            parts[name] = "ok"
+        except Exception as e:  # noqa: BLE001 - each part's outcome is a figure
+            parts[name] = first_line(e)
+    return parts
+
+
+def judge_mixing(lazy: Result) -> tuple[str, Result]:
+    return ok(all(v == "ok" for v in lazy.values()), lazy)
+
+
+def item_first_use(side: str) -> Result:
+    x = torch.randn(4, generator=torch.Generator().manual_seed(0)).mul(8).round().div(8)  # sums exactly in any order
+    got = x.to("lazymem").sum().item()
+    return {"sum": got, "cpu sum": x.sum().item(), "backing": str(sys.modules["torch_lazymem"].backing_device())}
+
+
+def judge_first_use(lazy: Result) -> tuple[str, Result]:
+    return ok(lazy["sum"] == lazy["cpu sum"] and lazy["backing"].startswith(DEV), lazy)
+
+
+def item_mlp(side: str) -> Result:
+    return train(mlp(), DEVICE[side], mlp_data(), mlp_loss, 3)
+
+
+def item_gpt2(side: str) -> Result:
+    n_layer, batch, seq = GPT_FP32
+    return train(gpt2(n_layer), DEVICE[side], [token_ids(batch, seq)], lm_loss, 3)
+
+
+def judge_bitwise(eager: Result, lazy: Result) -> tuple[str, Result]:
+    params, max_diff, same = bitwise(eager["params"], lazy["params"])
+    outputs, losses = torch.equal(eager["out"], lazy["out"]), torch.equal(eager["losses"], lazy["losses"])
+    return ok(same and outputs and losses and not lazy["splits"], {
+        "params equal": params, "max diff": max_diff, "losses equal": losses, "output equal": outputs,
+        "output max diff": diff(eager["out"], lazy["out"]), "chunks": lazy["chunks"], "splits": lazy["splits"]})
+
+
+def item_gpt2_split(side: str) -> Result:
+    """float64. lazymem first runs an unsplit step for its peak and what stays held between steps,
+    then trains under a budget of what is held + 80% of the rest of that peak (below that, even one
+    row per chunk does not fit: the vocabulary's embedding gradient is whole in every chunk)."""
+    n_layer, batch, seq = GPT_SPLIT
+    ids = [token_ids(batch, seq)]
+    if side == "eager":
+        return train(gpt2(n_layer, torch.float64), DEV, ids, lm_loss, 3)
+    lazymem = sys.modules["torch_lazymem"]
+    probe = train(gpt2(n_layer, torch.float64), "lazymem", ids, lm_loss, 1)
+    if probe["peak"] <= probe["held"]:
+        raise RuntimeError(f"stats()['peak_bytes'] {probe['peak']} is not above what is held, {probe['held']}")
+    budget = int(probe["held"] + 0.8 * (probe["peak"] - probe["held"]))
+    lazymem.set_memory_budget(budget)
+    try:
+        return {**train(gpt2(n_layer, torch.float64), "lazymem", ids, lm_loss, 3), "budget": budget,
+                "unsplit peak": probe["peak"]}
+    finally:
+        lazymem.set_memory_budget(None)
+
+
+def judge_split(eager: Result, lazy: Result) -> tuple[str, Result]:
+    figures = {"max diff": max(map(diff, eager["params"], lazy["params"])),
+               "output max diff": diff(eager["out"], lazy["out"]), "chunks": lazy["chunks"], "splits": lazy["splits"], "budget MiB": lazy["budget"] / MiB,
+               "unsplit peak MiB": lazy["unsplit peak"] / MiB, "peak MiB": lazy["peak"] / MiB}
+    try:
+        torch.testing.assert_close([lazy["losses"], lazy["out"], *lazy["params"]],
+                                   [eager["losses"], eager["out"], *eager["params"]])
+    except AssertionError as e:
+        return "FAIL", {**figures, "error": first_line(e)}
+    return ok(lazy["splits"] > 0 and lazy["peak"] <= lazy["budget"], figures)
+
+
+def item_bf16(side: str) -> Result:
+    n_layer, batch, seq = GPT_BF16
+    return train(gpt2(n_layer), DEVICE[side], [token_ids(batch, seq)], lm_loss, 2, autocast=DEVICE[side])
+
+
+def judge_bf16(eager: Result, lazy: Result) -> tuple[str, Result]:
+    params, max_diff, _ = bitwise(eager["params"], lazy["params"])
+    losses = max(map(diff, eager["losses"], lazy["losses"]))
+    return ok(max_diff <= 1e-2, {"params equal": params, "max diff": max_diff, "losses max diff": losses})
+
+
+def opinfo_ops() -> dict[str, Any]:
+    """op_db by full name. torch.testing._internal needs expecttest only for its TestCase base class:
+    where it is missing (the GPU machines) a stand-in module serves."""
+    try:
+        import expecttest  # noqa: F401
+    except ImportError:
+        sys.modules["expecttest"] = types.ModuleType("expecttest")
+        sys.modules["expecttest"].TestCase = unittest.TestCase  # type: ignore[attr-defined]
+    try:
+        from torch.testing._internal.common_methods_invocations import op_db
+    except Exception as e:  # noqa: BLE001 - the row's reason
+        raise Skip("torch.testing._internal: " + first_line(e)) from e
+    return {op.name + ("." + op.variant_test_name if op.variant_test_name else ""): op for op in op_db}
+
+
+def item_opinfo(side: str) -> Result:
+    """The eager worker makes the samples on the CPU with a fixed seed and saves them; both sides run
+    them, each sample's outputs flattened and on the CPU, or the first line of what it raised."""
+    ops = opinfo_ops()
+    path = Path(ARGS.dir) / "opinfo_samples.pt"
+    if side == "eager":
+        samples = []
+        for name in filter(ops.__contains__, OPINFO_OPS):
+            torch.manual_seed(0)
+            for i, s in enumerate(itertools.islice(ops[name].sample_inputs("cpu", torch.float32), OPINFO_SAMPLES)):
+                samples.append((name, i, s.input, s.args, s.kwargs))
+        torch.save(samples, path)
+    device, outputs = DEVICE[side], {}
+    for name, i, *call in torch.load(path, weights_only=False):
+        try:
+            inp, args, kwargs = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, call)
+            torch.manual_seed(1234)
+            flat = tree_flatten(ops[name](inp, *args, **kwargs))[0]
+            outputs[f"{name}[{i}]"] = [x.cpu() if isinstance(x, torch.Tensor) else x for x in flat]
+        except Exception as e:  # noqa: BLE001 - a finding (a sample eager rejects is left out)
+            outputs[f"{name}[{i}]"] = first_line(e)
+    return {"outputs": outputs, "missing": [n for n in OPINFO_OPS if n not in ops]}
+
+
+def judge_opinfo(eager: Result, lazy: Result) -> tuple[str, Result]:
+    total, equal, mismatches = 0, 0, {}
+    for key, want in eager["outputs"].items():
+        if isinstance(want, str):  # eager raised: not a sample for this device
+            continue
+        got, total = lazy["outputs"].get(key, "missing"), total + 1
+        worst = math.inf if isinstance(got, str) or len(got) != len(want) else max(map(diff, want, got), default=0.0)
+        if worst == 0.0:
+            equal += 1
+            continue
+        entry = mismatches.setdefault(key.split("[")[0], {"samples": [], "max diff": 0.0})
+        entry["samples"].append(key)
+        entry["max diff"] = max(entry["max diff"], worst)
+        if isinstance(got, str):
+            entry["error"] = got
+    return ok(equal == total, {"samples equal": f"{equal}/{total}", "ops": len(OPINFO_OPS) - len(eager["missing"]),
+                               "mismatching ops": ", ".join(mismatches) or "none", "mismatches": mismatches,
+                               "missing ops": eager["missing"]})
+
+
+def timed_step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> float:
+    finish(ids.device.type)
+    t0 = time.perf_counter()
+    loss, _ = lm_loss(model, ids)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    loss.item()
+    finish(ids.device.type)
+    return time.perf_counter() - t0
+
+
+def item_cap(side: str) -> Result:
+    torch.cuda.set_per_process_memory_fraction(CAP / torch.cuda.get_device_properties(0).total_memory)
+    model = gpt2(6, n_embd=512, n_head=8).to(DEVICE[side])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return eager_cap(model, opt) if side == "eager" else lazy_cap(model, opt)
+
+
+def eager_cap(model: nn.Module, opt: torch.optim.Optimizer) -> Result:
+    """Eager's largest batch of 256 tokens under the cap (doubling, then at most 4 bisections), and
+    its time per step (a warm-up, then the mean of 3)."""
+    def fits(batch: int) -> bool:
+        try:
+            timed_step(model, opt, token_ids(batch, 256).cuda())
+            return True
+        except torch.OutOfMemoryError:
+            return False
+        finally:
+            opt.zero_grad()
+            torch.cuda.empty_cache()
+
+    good, bad = 0, None
+    for batch in (1, 2, 4, 8, 16, 32, 64, 128):
+        if not fits(batch):
+            bad = batch
+            break
+        good = batch
+    for _ in range(4):
+        if bad is None or bad - good <= 1:
+            break
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    if not good:
+        raise RuntimeError("eager runs out of memory at batch 1")
+    ids = token_ids(good, 256).cuda()
+    timed_step(model, opt, ids)
+    torch.cuda.reset_peak_memory_stats()
+    return {"batch": good, "step_s": statistics.mean(timed_step(model, opt, ids) for _ in range(3)),
+            "reserved": torch.cuda.max_memory_reserved()}
+
+
+def lazy_cap(model: nn.Module, opt: torch.optim.Optimizer) -> Result:
+    """lazymem at 1, 4 and 8 times eager's batch: the first step, the mean of 2 more, memory, chunks
+    and out-of-memory retries (torch_lazymem.stats()); stops at a step that raises, or when the
+    check's time is mostly spent (the item's results are lost if it is killed)."""
+    lazymem = sys.modules["torch_lazymem"]
+    path = Path(ARGS.dir) / "eager_cap.pt"
+    b_e = (torch.load(path) if path.exists() else {}).get("batch")
+    if not b_e:
+        raise Skip("no batch from eager")
+    runs: Result = {}
+    start = time.monotonic()
+    for mult in (1, 4, 8):
+        if time.monotonic() - start > 0.6 * CHECKS["cap"].limit:
+            runs[f"{mult}x"] = {"batch": mult * b_e, "error": "not run: the check's time is up"}
+            break
+        ids = token_ids(mult * b_e, 256).to("lazymem")
+        torch.cuda.reset_peak_memory_stats()
+        lazymem.reset_stats()
+        times, chunks, peak, predicted, first_retries = [], 0, 0, 0, 0
+        try:
+            for _ in range(3):
+                times.append(timed_step(model, opt, ids))
+                st = lazymem.stats()
+                chunks, peak = max(chunks, st["chunks"]), max(peak, st["peak_bytes"])
+                predicted = max(predicted, st["predicted_peak_bytes"])
+                first_retries = first_retries if len(times) > 1 else st["oom_retries"]
+        except Exception as e:  # noqa: BLE001 - a step that raised is the finding
+            runs[f"{mult}x"] = {"batch": mult * b_e, "error": first_line(e)}
+            break
+        runs[f"{mult}x"] = {"batch": mult * b_e, "first_s": times[0], "step_s": statistics.mean(times[1:]),
+                            "reserved": torch.cuda.max_memory_reserved(),
+                            "allocated": torch.cuda.max_memory_allocated(), "predicted": predicted,
+                            "budget": lazymem.memory_budget(), "peak": peak, "chunks": chunks,
+                            "oom_retries": lazymem.stats()["oom_retries"], "first_retries": first_retries}
+    return runs
+
+
+def judge_cap(eager: Result, lazy: Result) -> tuple[str, Result]:
+    figures: Result = {"eager batch": eager["batch"], "eager s/step": eager["step_s"],
+                       "eager reserved GiB": eager["reserved"] / GiB, "lazymem": lazy}
+    for mult, run in lazy.items():
+        per_sample = (run["batch"] / run["step_s"]) / (eager["batch"] / eager["step_s"]) if "step_s" in run else 0
+        figures[f"{mult} (B={run['batch']})"] = run.get("error") or (
+            f"{run['step_s']:.3g} s/step (first {run['first_s']:.3g} s), {per_sample:.2f}x eager per sample, "
+            f"reserved {run['reserved'] / GiB:.2f} of {CAP / GiB:g} GiB (budget {run['budget'] / GiB:.2f}), "
+            f"allocated {run['allocated'] / GiB:.2f} GiB vs predicted {run['predicted'] / GiB:.2f}, "
+            f"{run['chunks']} chunks, {run['oom_retries']} retries ({run['first_retries']} in the first step)")
+    return ok(len(lazy) == 3 and not any("error" in r for r in lazy.values()), figures)
+
+
+def item_tiny(side: str) -> Result:
+    """x = x * 1.0001 + 0.0001, TINY_OPS ops in all, then a sync: a warm-up, then the median of 3."""
+    device, times = DEVICE[side], []
+    for _ in range(4):
+        x = torch.zeros(1024, device=device)
+        finish(device)
+        t0 = time.perf_counter()
+        for _ in range(TINY_OPS // 2):
+            x = x * 1.0001 + 0.0001
+        finish(device)
+        times.append(time.perf_counter() - t0)
+    return {"us_per_op": statistics.median(times[1:]) / TINY_OPS * 1e6, "value": x.cpu()}
+
+
+def judge_tiny(eager: Result, lazy: Result) -> tuple[str, Result]:
+    equal = torch.equal(eager["value"], lazy["value"])
+    return ok(equal, {"eager us/op": eager["us_per_op"], "lazymem us/op": lazy["us_per_op"],
+                      "lazymem/eager": lazy["us_per_op"] / eager["us_per_op"], "values equal": equal})
+
+
+@dataclasses.dataclass
+class Check:
+    title: str
+    item: Callable[[str], Result]
+    judge: Callable[..., tuple[str, Result]]
+    limit: float  # seconds, per side
+    sides: tuple[str, ...] = ("eager", "lazy")
+    cuda_only: bool = False
+
+
+CHECKS = {
+    "mixing": Check("1 mixing: eager CUDA autograd with lazymem", item_mixing, judge_mixing, 60, ("lazy",), True),
+    "first_use": Check("2 first use", item_first_use, judge_first_use, 60, ("lazy",)),
+    "mlp": Check("3 MLP fp32 = eager (bitwise)", item_mlp, judge_bitwise, 60),
+    "gpt2": Check("4 GPT-2 fp32 = eager (bitwise)", item_gpt2, judge_bitwise, 90),
+    "gpt2_split": Check("5 GPT-2 fp64 split ~ eager", item_gpt2_split, judge_split, 90),
+    "bf16": Check("6 GPT-2 bf16 autocast ~ eager", item_bf16, judge_bf16, 60),
+    "opinfo": Check("7 OpInfo forward = eager (bitwise)", item_opinfo, judge_opinfo, 120),
+    "cap": Check("8 real cap: 3 GiB", item_cap, judge_cap, 100, cuda_only=True),
+    "tiny": Check("9 tiny ops", item_tiny, judge_tiny, 60),
+}
+# Workers, in this order: a fresh process for the checks of a process's first moments (1, 2) and for
+# the cap (8); the others share one worker per side. Eager runs first: lazymem's cap needs its batch.
+SHARED = ["mlp", "gpt2", "gpt2_split", "bf16", "opinfo", "tiny"]
+GROUPS = [("lazy", ["mixing"]), ("lazy", ["first_use"]), ("eager", SHARED), ("lazy", SHARED),
+          ("eager", ["cap"]), ("lazy", ["cap"])]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Workers, and the parent's runner of them.
+
+
+def worker(side: str, items: list[str]) -> None:
+    """Runs `items` in turn, logging "start X" / "end X" and saving each result; stops after a
+    failed item (it may have left state behind: the parent runs the rest in a fresh worker)."""
+    if side == "lazy":
+        import torch_lazymem
+
+        if SMOKE:
+            torch_lazymem.set_backing_device("cpu")
+        elif "first_use" not in items:
+            torch.zeros(1, device="cuda")  # CUDA initialized first, as in gpu_rng_check: row 2 tests lazymem doing it
+    with open(ARGS.log, "a") as log:
+        for item in items:
+            log.write(f"start {item}\n")
+            log.flush()
+            try:
+                result = CHECKS[item].item(side)
+            except Skip as e:
+                result = {"skip": str(e)}
+            except Exception as e:  # noqa: BLE001 - reported in the item's row
+                result = {"error": first_line(e)}
+            if side == "eager" and "torch_lazymem" in sys.modules:  # eager's results must stay clean of it
+                result = {"error": "torch_lazymem was imported in the eager worker"}
+            torch.save(result, Path(ARGS.dir) / f"{side}_{item}.pt")
+            log.write(f"end {item}\n")
+            log.flush()
+            if "error" in result:
+                return
+
+
+class Runner:
+    def __init__(self, io: str, out: str | None) -> None:
+        self.io, self.out = io, out
+        self.deadline = time.monotonic() + DEADLINE_S
+        self.counter = itertools.count()
+
+    def run(self, side: str, items: list[str]) -> dict[str, Result]:
+        """Each item's result, running the items left in a fresh worker after one fails."""
+        results: dict[str, Result] = {}
+        while todo := [i for i in items if i not in results]:
+            if self.deadline - time.monotonic() < 5:
+                results.update({i: {"skip": f"out of time ({DEADLINE_S} s in all)"} for i in todo})
+            else:
+                results.update(self._worker(side, todo))
+        return results
+
+    def _worker(self, side: str, todo: list[str]) -> dict[str, Result]:
+        n = next(self.counter)
+        log, err = Path(self.io) / f"w{n}.log", Path(self.io) / f"w{n}.err"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)])),
+               "PYTHONFAULTHANDLER": "1"}
+        cmd = [sys.executable, __file__, "--worker", side, "--dir", self.io, "--log", str(log), *todo]
+        with open(err, "w") as f:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=f, env=env, start_new_session=True)
+        results: dict[str, Result] = {}
+        current, since, seen = todo[0], time.monotonic(), 0  # the first item's clock runs from the start
+        while True:
+            rc = proc.poll()
+            lines = log.read_text().splitlines() if log.exists() else []
+            for line in lines[seen:]:
+                event, item = line.split(" ", 1)
+                if event == "end":
+                    results[item] = torch.load(Path(self.io) / f"{side}_{item}.pt", weights_only=False)
+                    note = next((f"{k}: {results[item][k]}" for k in ("error", "skip") if k in results[item]), "done")
+                    progress(f"{side} {item} {note} ({time.monotonic() - since:.1f} s)")
+                current, since = (item if event == "start" else None), time.monotonic()
+            seen = len(lines)
+            if rc is not None:
+                break
+            waiting = current or next((i for i in todo if i not in results), None)  # None: exiting
+            own = CHECKS[waiting].limit if waiting else 30
+            limit = min(own, self.deadline - since)
+            if time.monotonic() - since > limit:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                if waiting:
+                    cut = f" (the run's {DEADLINE_S} s were up)" if limit < own else ""
+                    results[waiting] = {"error": f"timed out after {limit:.0f} s{cut}"}
+                    progress(f"{side} {waiting} timed out")
+                break
+            time.sleep(0.1)
+        stderr = err.read_text(errors="replace")
+        if rc is not None and current is not None:  # died in an item (or before the first)
+            results[current] = {"error": crash(rc, stderr)}
+            progress(f"{side} {current} {results[current]['error']}")
+        if self.out:
+            with open(Path(self.out) / "gpu_check.log", "a") as f:
+                f.write(f"==== {side} worker: {' '.join(todo)}\n{stderr.rstrip()}\n")
+        return results
+
+
+def crash(rc: int, stderr: str) -> str:
+    """How a worker died: its signal or exit status, and the first line of its stderr's tail that
+    names an error."""
+    how = f"exited with status {rc}"
+    if rc < 0:
+        with contextlib.suppress(ValueError):
+            how = f"killed by {signal.Signals(-rc).name}"
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()][-30:]
+    hits = [ln for ln in lines if "error" in ln.lower() or "what():" in ln]
+    return f"worker {how}: " + (hits[0] if hits else lines[-1] if lines else "no output")[:200]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The report.
+
+
+def verdict(name: str, results: dict[tuple[str, str], Result]) -> tuple[str, Result]:
+    check = CHECKS[name]
+    if check.cuda_only and SMOKE:
+        return "skip", {"reason": "no CUDA"}
+    sides = [results[(side, name)] for side in check.sides]
+    for side, r in zip(check.sides, sides):
+        if "skip" in r:
+            return "skip", {"reason": r["skip"]}
+        if "error" in r:
+            return "FAIL", {"error": f"{'lazymem' if side == 'lazy' else 'eager'}: {r['error']}"}
+    try:
+        return check.judge(*sides)
+    except Exception as e:  # noqa: BLE001 - a result without the expected fields
+        return "FAIL", {"error": "comparing: " + first_line(e)}
+
+
+def cell(figures: Result) -> str:
+    """A row's figures: the scalars (dicts and lists go to the json only)."""
+    def fmt(v: Any) -> str:
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    text = "; ".join(fmt(v) if k in ("reason", "error") else f"{k} {fmt(v)}"
+                     for k, v in figures.items() if not isinstance(v, (dict, list)))
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def main() -> int:
+    if not SMOKE and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device", file=sys.stderr)
+        return 2
+    start, out = time.monotonic(), os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        Path(out, "gpu_check.log").write_text("")
+    results: dict[tuple[str, str], Result] = {}
+    with tempfile.TemporaryDirectory(prefix="gpu_check.") as io:
+        runner = Runner(io, out)
+        for side, items in GROUPS:
+            items = [i for i in items if not (SMOKE and CHECKS[i].cuda_only)]
+            if items:
+                results.update({(side, i): r for i, r in runner.run(side, items).items()})
+    rows = {name: (check.title, *verdict(name, results)) for name, check in CHECKS.items()}
+    device = "CPU (smoke mode)" if SMOKE else torch.cuda.get_device_name()
+    head = f"gpu_check on {device}, torch {torch.__version__}, {time.monotonic() - start:.0f} s\n\n"
+    table = "| check | result | figures |\n|---|---|---|\n" + "".join(
+        f"| {title} | {result} | {cell(figures)} |\n" for title, result, figures in rows.values())
+    print(head + table, end="")
+    if out:
+        Path(out, "gpu_check.md").write_text(head + table)
+        report = {"device": device, "torch": torch.__version__, "python": sys.version.split()[0],
+                  "elapsed_s": time.monotonic() - start,
+                  "checks": {k: {"title": t, "result": r, "figures": f} for k, (t, r, f) in rows.items()}}
+        Path(out, "gpu_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    return 1 if any(r == "FAIL" for _, r, _ in rows.values()) else 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--worker", choices=["eager", "lazy"], help=argparse.SUPPRESS)
+    parser.add_argument("--dir", help=argparse.SUPPRESS)
+    parser.add_argument("--log", help=argparse.SUPPRESS)
+    parser.add_argument("items", nargs="*", help=argparse.SUPPRESS)
+    ARGS = parser.parse_args()
+    sys.exit(worker(ARGS.worker, ARGS.items) if ARGS.worker else main())
