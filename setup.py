@@ -37,7 +37,7 @@ LINK_FLAGS = []
 # off: torch's libraries are not built with them, and their type info is not ours to check.
 if os.environ.get("LAZYMEM_SANITIZE") == "address":
     SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize=vptr", "-fno-omit-frame-pointer"]
-    CXX_FLAGS = ["-O1", "-g"] + [f for f in CXX_FLAGS if f not in ("-O2", "-g0")] + SANITIZE
+    CXX_FLAGS = ["-O1", "-g1"] + [f for f in CXX_FLAGS if f not in ("-O2", "-g0")] + SANITIZE
     LINK_FLAGS = SANITIZE
 elif os.environ.get("LAZYMEM_SANITIZE"):
     raise SystemExit(f"LAZYMEM_SANITIZE={os.environ['LAZYMEM_SANITIZE']!r}: only 'address' is supported")

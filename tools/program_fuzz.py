@@ -138,7 +138,13 @@ def check(spec: Spec) -> dict:
     try:
         if spec.recompute is not None:  # (None: as configured, LAZYMEM_RECOMPUTE; priced by default)
             torch_lazymem.set_recompute(spec.recompute)
-        with simulated_device(cap):
+        # --budget-only: the cap is a memory budget on a device four times larger, which no allocator
+        # enforces: the plan itself must stay within it, or raise (a plan the model put over its
+        # budget once ran anyway).
+        budget_only = os.environ.get("PROGRAM_FUZZ_BUDGET_ONLY") == "1"
+        with simulated_device(4 * cap if budget_only else cap):
+            if budget_only:
+                torch_lazymem.set_memory_budget(cap)
             torch.lazymem.reset_peak_memory_stats()
             if spec.fail_at:
                 fail_allocation(spec.fail_at)
@@ -155,6 +161,7 @@ def check(spec: Spec) -> dict:
         with contextlib.suppress(Exception):
             torch.lazymem.synchronize()
         torch_lazymem.set_recompute(previous)
+        torch_lazymem.set_memory_budget(None)
     stats = torch_lazymem.stats()
     result.update(peak=lazy_peak, split=stats["splits"] > 0, retries=stats["oom_retries"])
     if lazy_peak > cap:
@@ -312,12 +319,16 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=TIMEOUT,
                         help=f"seconds a program may run before it counts as a HANG (default {TIMEOUT:g})")
     parser.add_argument("--replay", type=int, help="run one program, print it, minimize it if it fails")
+    parser.add_argument("--budget-only", action="store_true",
+                        help="the cap as a memory budget on a device 4x larger (nothing enforces it)")
     # --worker SEEDS: these seeds in this process (see the docstring); the scheduler's workers are
     # started with --worker --out FILE --items FILE (tools/_workers.py).
     parser.add_argument("--worker", nargs="?", const="", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--items", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.budget_only:
+        os.environ["PROGRAM_FUZZ_BUDGET_ONLY"] = "1"  # (the workers inherit it)
     if args.worker is not None:
         seeds = _workers.read_items(args.items) if args.items else [int(s) for s in args.worker.split(",") if s]
         worker(seeds, args.out)

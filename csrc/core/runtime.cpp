@@ -50,15 +50,18 @@ void set_backing_device_unchecked(c10::Device d) {
 
 void init_backing_device() {
   static std::atomic<bool> done{false};
-  static std::mutex mu;
+  static std::atomic<bool> hook_claimed{false};
+  static std::once_flag runtime_once;
   if (done.load(std::memory_order_acquire)) return;
   c10::Device d = backing_device();
   if (d.is_cpu()) return;
-  std::lock_guard<std::mutex> lock(mu);
-  if (done.load(std::memory_order_relaxed)) return;
-  at::globalContext().lazyInitDevice(d.type());
-  if (flush_hooks().backing_initialized) flush_hooks().backing_initialized(d);
-  done.store(true, std::memory_order_release);
+  std::call_once(runtime_once, [&] { at::globalContext().lazyInitDevice(d.type()); });
+  // The hook takes the GIL: it runs outside any lock of ours, once, on the first thread here (a
+  // thread that holds the GIL and finds it claimed goes on rather than wait for it).
+  if (!hook_claimed.exchange(true)) {
+    if (flush_hooks().backing_initialized) flush_hooks().backing_initialized(d);
+    done.store(true, std::memory_order_release);
+  }
 }
 
 FlushHooks& flush_hooks() {

@@ -44,14 +44,17 @@ void MemoryCounter::charge(size_t n) {
     TORCH_CHECK_WITH(OutOfMemoryError, false, "lazymem: ", name_, " out of memory (injected by "
                      "torch_lazymem.testing.fail_allocation). Tried to allocate ", format_bytes(bytes), ".");
   }
+  const int64_t budget = budget_limit_.load(std::memory_order_relaxed);
+  const bool by_budget = budget >= 0 && (cap < 0 || budget < cap);
+  if (by_budget) cap = budget;
   if (cap >= 0 && now > cap) {
     allocated_.fetch_sub(bytes, std::memory_order_relaxed);
     // The node peak includes the refused request: what the node tried to hold, for learning.
     int64_t q = node_peak_.load(std::memory_order_relaxed);
     while (now > q && !node_peak_.compare_exchange_weak(q, now)) {}
     TORCH_CHECK_WITH(OutOfMemoryError, false, "lazymem: ", name_, " out of memory. Tried to allocate ",
-                     format_bytes(bytes), "; capacity ", format_bytes(cap), ", of which ",
-                     format_bytes(now - bytes), " is already allocated.");
+                     format_bytes(bytes), "; ", by_budget ? "the plan's memory budget " : "capacity ",
+                     format_bytes(cap), ", of which ", format_bytes(now - bytes), " is already allocated.");
   }
   int64_t p = peak_.load(std::memory_order_relaxed);
   while (now > p && !peak_.compare_exchange_weak(p, now)) {}

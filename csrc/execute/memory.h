@@ -27,6 +27,9 @@ class MemoryCounter {
   int64_t window_peak() const { return window_peak_.load(std::memory_order_relaxed); }
   int64_t capacity() const { return capacity_.load(std::memory_order_relaxed); }
   void set_capacity(int64_t bytes) { capacity_.store(bytes); } // -1 = unlimited
+  // A plan's budget while it runs (-1 = none): charges past it raise as past the capacity, so a model
+  // that underestimated is caught by the run (and learns) where no allocator enforces the budget.
+  void set_budget_limit(int64_t bytes) { budget_limit_.store(bytes, std::memory_order_relaxed); }
   void reset_peak() { peak_.store(allocated()); }
   void reset_window_peak() { window_peak_.store(allocated()); }
   // The peak since the last reset_node_peak(): the executor measures each node's transient bytes.
@@ -48,6 +51,7 @@ class MemoryCounter {
   std::atomic<int64_t> window_peak_{0};
   std::atomic<int64_t> node_peak_{0};
   std::atomic<int64_t> capacity_{-1};
+  std::atomic<int64_t> budget_limit_{-1};
   std::atomic<int64_t> armed_{0};
   std::atomic<int64_t> countdown_{0};
   std::atomic<int64_t> injected_{0}; // failures injected so far

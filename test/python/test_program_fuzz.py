@@ -73,6 +73,18 @@ def test_seeds_that_found_bugs(seed):
     assert r["status"] == "ok", describe(r)
 
 
+# The cap as a memory budget only (`--budget-only`: on a device four times larger, so no allocator
+# stops a plan at the budget): a plan must stay within it or raise. Before plans over a budget nothing
+# enforces were refused, some ran over it (an OVER record here).
+def test_budget_only_programs_stay_within_the_budget():
+    seeds = list(range(9000, 9024))
+    results = program_fuzz.run_seeds(seeds, jobs=1, env={"PROGRAM_FUZZ_BUDGET_ONLY": "1"})
+    assert [r["seed"] for r in results] == seeds
+    bugs = [describe(r) for r in results if r["status"] in program_fuzz.BUGS]
+    assert not bugs, "\n".join(bugs)
+    assert sum(r["status"] == "ok" for r in results) >= len(seeds) // 2
+
+
 # Findings that need an earlier program's state (the workspace and node times it taught): seeds run in
 # one worker, in order, the last one checked. 9110 after 9042-9054 with values crossing passes held in
 # host memory (LAZYMEM_RECOMPUTE=0), in the run that brought host memory behind explicit copies: a mean
