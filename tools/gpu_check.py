@@ -28,15 +28,12 @@ in its row and the remaining items run in a fresh worker.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import itertools
 import json
 import math
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,31 +42,37 @@ import unittest
 from pathlib import Path
 from typing import Any, Callable
 
+import _workers
 import torch
-import torch.nn.functional as F
+from _gpu_programs import (
+    DEV,
+    DEVICE,
+    GPT_BF16,
+    GPT_FP32,
+    GPT_SPLIT,
+    SMOKE,
+    SPLIT_VOCAB,
+    Result,
+    bitwise,
+    diff,
+    finish,
+    gpt2,
+    lm_loss,
+    mlp,
+    mlp_data,
+    mlp_loss,
+    size,
+    token_ids,
+    train,
+)
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-Result = dict[str, Any]  # what a worker item saves, and a row's figures
-SMOKE = os.environ.get("LAZYMEM_GPU_CHECK_DEVICE") == "cpu"  # the test's smoke mode: the CPU, tiny sizes
-DEV = "cpu" if SMOKE else "cuda"
-DEVICE = {"eager": DEV, "lazy": "lazymem"}  # each side's device
 REPO = Path(__file__).resolve().parent.parent
-DEADLINE_S = 290  # the whole run; each item's time limit is cut to what is left
 GiB, MiB = 1 << 30, 1 << 20
 CAP = 3 * GiB
 
 
-def size(gpu: Any, cpu: Any) -> Any:
-    return cpu if SMOKE else gpu
-
-
-MLP = size((64, 256), (16, 32))  # batch, width
-GPT = size(dict(n_embd=256, n_head=4, vocab_size=50257), dict(n_embd=32, n_head=2, vocab_size=512))
-GPT_FP32, GPT_SPLIT, GPT_BF16 = size(((4, 16, 128), (2, 16, 128), (2, 16, 128)), ((1, 4, 16), (1, 8, 16), (1, 4, 16)))
-# The split check's vocabulary: small enough that activations, not the embedding's gradient (whole in
-# every chunk), set the peak, so that splitting lowers it.
-SPLIT_VOCAB = size(2048, 512)
 OPINFO_SAMPLES = size(6, 2)  # per op
 TINY_OPS = 4000
 OPINFO_OPS = [
@@ -94,113 +97,6 @@ def first_line(e: BaseException) -> str:
 
 def progress(msg: str) -> None:
     print(f"gpu_check: {msg}", file=sys.stderr, flush=True)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Programs: run by the workers, on DEV (eager) or on lazymem.
-
-
-def lazy_stats() -> dict[str, int]:
-    """torch_lazymem.stats() in a lazymem worker, {} in an eager one."""
-    lazymem = sys.modules.get("torch_lazymem")
-    return lazymem.stats() if lazymem else {}
-
-
-def finish(device: str) -> None:
-    """Everything recorded or queued so far has run: the end of a timed region."""
-    if device == "lazymem":
-        sys.modules["torch_lazymem"].sync()
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-
-
-def mlp() -> nn.Module:
-    width = MLP[1]
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 10))
-
-
-def mlp_data() -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randn(MLP[0], MLP[1], generator=g), torch.randint(0, 10, (MLP[0],), generator=g)]
-
-
-def mlp_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    out = model(x)
-    return F.cross_entropy(out, y), out
-
-
-def gpt2(n_layer: int, dtype: torch.dtype = torch.float32, **config: Any) -> nn.Module:
-    """transformers' GPT-2 with SDPA attention and no dropout, built on the CPU with a fixed seed."""
-    import transformers
-
-    config = {**GPT, **config}
-    last = config["vocab_size"] - 1  # GPT-2's <|endoftext|> is 50256: inside a smaller vocabulary
-    cfg = transformers.GPT2Config(n_layer=n_layer, n_positions=256, attn_pdrop=0.0, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_implementation="sdpa", bos_token_id=last,
-                                  eos_token_id=last, **config)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(cfg).to(dtype)
-
-
-def token_ids(batch: int, seq: int, vocab: int | None = None) -> torch.Tensor:
-    high = vocab or GPT["vocab_size"]
-    return torch.randint(0, high, (batch, seq), generator=torch.Generator().manual_seed(1))
-
-
-def lm_loss(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    out = model(input_ids=ids, labels=ids)
-    return out.loss, out.logits
-
-
-def train(model: nn.Module, device: str, inputs: list[torch.Tensor], loss_of: Callable[..., Any], steps: int,
-          autocast: str | None = None) -> Result:
-    """`steps` AdamW steps (loss.item() after each): losses, the last step's output, the final
-    parameters; on lazymem also the most chunks and device bytes of a materialization, the splits and
-    what stays held between steps (parameters, AdamW's state, the inputs)."""
-    if device == "lazymem":
-        sys.modules["torch_lazymem"].reset_stats()
-    model.to(device)
-    inputs = [t.to(device) for t in inputs]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    losses, chunks, peak = [], 0, 0
-    for _ in range(steps):
-        with torch.autocast(autocast, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
-            loss, out = loss_of(model, *inputs)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        chunks, peak = max(chunks, lazy_stats().get("chunks", 0)), max(peak, lazy_stats().get("peak_bytes", 0))
-    finish(device)
-    stats = lazy_stats()
-    result = {"losses": torch.tensor(losses, dtype=torch.float64), "out": out.detach().cpu(),
-              "params": [p.detach().cpu() for p in model.parameters()], "chunks": max(chunks, stats.get("chunks", 0)),
-              "peak": max(peak, stats.get("peak_bytes", 0)), "splits": stats.get("splits", 0)}
-    del loss, out
-    if device == "lazymem":
-        result["held"] = torch.lazymem.memory_allocated()
-    return result
-
-
-def diff(a: Any, b: Any) -> float:
-    """The largest absolute difference (NaNs in the same places equal; inf for other shapes or types)."""
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-        return 0.0 if a == b else math.inf
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return math.inf
-    if a.numel() == 0:
-        return 0.0
-    a, b = a.double(), b.double()
-    d = (a - b).abs()
-    d[(a == b) | (a.isnan() & b.isnan())] = 0
-    return float(d.nan_to_num(nan=math.inf).max())
-
-
-def bitwise(eager: list[torch.Tensor], lazy: list[torch.Tensor]) -> tuple[str, float, bool]:
-    """'equal/total', the largest difference, and whether all are equal."""
-    equal = sum(torch.equal(a, b) for a, b in zip(eager, lazy))
-    return f"{equal}/{len(eager)}", max(map(diff, eager, lazy), default=0.0), equal == len(eager) == len(lazy)
 
 
 def ok(passed: bool, figures: Result) -> tuple[str, Result]:
@@ -521,23 +417,23 @@ GROUPS = [("lazy", ["mixing"]), ("lazy", ["first_use"]), ("eager", SHARED), ("la
 
 
 # ----------------------------------------------------------------------------------------------------
-# Workers, and the parent's runner of them.
+# Workers (tools/_workers.py: a crash or a hang costs one worker, not the run).
 
 
-def worker(side: str, items: list[str]) -> None:
-    """Runs `items` in turn, logging "start X" / "end X" and saving each result; stops after a
-    failed item (it may have left state behind: the parent runs the rest in a fresh worker)."""
-    if side == "lazy":
-        import torch_lazymem
+def worker(side: str, items: list[str], out: str) -> None:
+    """Runs `items` in turn, saving each result; stops after a failed item (it may have left state
+    behind: the parent runs the rest in a fresh worker)."""
+    with _workers.Emitter(out) as emit:
+        if side == "lazy":
+            import torch_lazymem
 
-        if SMOKE:
-            torch_lazymem.set_backing_device("cpu")
-        elif "first_use" not in items:
-            torch.zeros(1, device="cuda")  # CUDA initialized first, as in gpu_rng_check: row 2 tests lazymem doing it
-    with open(ARGS.log, "a") as log:
+            if SMOKE:
+                torch_lazymem.set_backing_device("cpu")
+            elif "first_use" not in items:
+                torch.zeros(1, device="cuda")  # CUDA initialized first: row 2 tests lazymem doing it
+        emit.ready()
         for item in items:
-            log.write(f"start {item}\n")
-            log.flush()
+            emit.start(item)
             try:
                 result = CHECKS[item].item(side)
             except Skip as e:
@@ -547,83 +443,40 @@ def worker(side: str, items: list[str]) -> None:
             if side == "eager" and "torch_lazymem" in sys.modules:  # eager's results must stay clean of it
                 result = {"error": "torch_lazymem was imported in the eager worker"}
             torch.save(result, Path(ARGS.dir) / f"{side}_{item}.pt")
-            log.write(f"end {item}\n")
-            log.flush()
+            emit.end(item)
             if "error" in result:
                 return
 
 
-class Runner:
-    def __init__(self, io: str, out: str | None) -> None:
-        self.io, self.out = io, out
-        self.deadline = time.monotonic() + DEADLINE_S
-        self.counter = itertools.count()
-
-    def run(self, side: str, items: list[str]) -> dict[str, Result]:
-        """Each item's result, running the items left in a fresh worker after one fails."""
-        results: dict[str, Result] = {}
-        while todo := [i for i in items if i not in results]:
-            if self.deadline - time.monotonic() < 5:
-                results.update({i: {"skip": f"out of time ({DEADLINE_S} s in all)"} for i in todo})
-            else:
-                results.update(self._worker(side, todo))
-        return results
-
-    def _worker(self, side: str, todo: list[str]) -> dict[str, Result]:
-        n = next(self.counter)
-        log, err = Path(self.io) / f"w{n}.log", Path(self.io) / f"w{n}.err"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)])),
-               "PYTHONFAULTHANDLER": "1"}
-        cmd = [sys.executable, __file__, "--worker", side, "--dir", self.io, "--log", str(log), *todo]
-        with open(err, "w") as f:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=f, env=env, start_new_session=True)
-        results: dict[str, Result] = {}
-        current, since, seen = todo[0], time.monotonic(), 0  # the first item's clock runs from the start
-        while True:
-            rc = proc.poll()
-            lines = log.read_text().splitlines() if log.exists() else []
-            for line in lines[seen:]:
-                event, item = line.split(" ", 1)
-                if event == "end":
-                    results[item] = torch.load(Path(self.io) / f"{side}_{item}.pt", weights_only=False)
-                    note = next((f"{k}: {results[item][k]}" for k in ("error", "skip") if k in results[item]), "done")
-                    progress(f"{side} {item} {note} ({time.monotonic() - since:.1f} s)")
-                current, since = (item if event == "start" else None), time.monotonic()
-            seen = len(lines)
-            if rc is not None:
-                break
-            waiting = current or next((i for i in todo if i not in results), None)  # None: exiting
-            own = CHECKS[waiting].limit if waiting else 30
-            limit = min(own, self.deadline - since)
-            if time.monotonic() - since > limit:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                if waiting:
-                    cut = f" (the run's {DEADLINE_S} s were up)" if limit < own else ""
-                    results[waiting] = {"error": f"timed out after {limit:.0f} s{cut}"}
-                    progress(f"{side} {waiting} timed out")
-                break
-            time.sleep(0.1)
-        stderr = err.read_text(errors="replace")
-        if rc is not None and current is not None:  # died in an item (or before the first)
-            results[current] = {"error": crash(rc, stderr)}
+def run_side(io: str, out: str | None, side: str, items: list[str]) -> dict[str, Result]:
+    """Each item's result, running the items left in a fresh worker after one fails or dies. A worker
+    that shows no progress for its slowest item's limit is killed."""
+    timeout = max(CHECKS[i].limit for i in items)
+    workdir = tempfile.mkdtemp(dir=io)  # (each Scheduler numbers its workers' files from 1)
+    scheduler = _workers.Scheduler([sys.executable, __file__, "--worker", side, "--dir", io], workdir, timeout,
+                                   startup_attempts=1)
+    results: dict[str, Result] = {}
+    while todo := [i for i in items if i not in results]:
+        run = scheduler.run(_workers.Task(todo))
+        for item in run.done:
+            results[item] = torch.load(Path(io) / f"{side}_{item}.pt", weights_only=False)
+            note = next((f"{k}: {results[item][k]}" for k in ("error", "skip") if k in results[item]), "done")
+            progress(f"{side} {item} {note}")
+        if run.died:
+            current = next(iter(run.started), None) or next(i for i in todo if i not in results)
+            results[current] = {"error": f"worker {run.how}: {crash_line(run.stderr)}"}
             progress(f"{side} {current} {results[current]['error']}")
-        if self.out:
-            with open(Path(self.out) / "gpu_check.log", "a") as f:
-                f.write(f"==== {side} worker: {' '.join(todo)}\n{stderr.rstrip()}\n")
-        return results
+        if out:
+            with open(Path(out) / "gpu_check.log", "a") as f:
+                f.write(f"==== {side} worker: {' '.join(todo)}\n{run.stderr.rstrip()}\n")
+    return results
 
 
-def crash(rc: int, stderr: str) -> str:
-    """How a worker died: its signal or exit status, and the first line of its stderr's tail that
-    names an error."""
-    how = f"exited with status {rc}"
-    if rc < 0:
-        with contextlib.suppress(ValueError):
-            how = f"killed by {signal.Signals(-rc).name}"
+def crash_line(stderr: str) -> str:
+    """The first line of stderr's tail that names an error (else its last line)."""
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()][-30:]
     hits = [ln for ln in lines if "error" in ln.lower() or "what():" in ln]
-    return f"worker {how}: " + (hits[0] if hits else lines[-1] if lines else "no output")[:200]
+    return (hits[0] if hits else lines[-1] if lines else "no output")[:200]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -666,11 +519,10 @@ def main() -> int:
         Path(out, "gpu_check.log").write_text("")
     results: dict[tuple[str, str], Result] = {}
     with tempfile.TemporaryDirectory(prefix="gpu_check.") as io:
-        runner = Runner(io, out)
         for side, items in GROUPS:
             items = [i for i in items if not (SMOKE and CHECKS[i].cuda_only)]
             if items:
-                results.update({(side, i): r for i, r in runner.run(side, items).items()})
+                results.update({(side, i): r for i, r in run_side(io, out, side, items).items()})
     rows = {name: (check.title, *verdict(name, results)) for name, check in CHECKS.items()}
     device = "CPU (smoke mode)" if SMOKE else torch.cuda.get_device_name()
     head = f"gpu_check on {device}, torch {torch.__version__}, {time.monotonic() - start:.0f} s\n\n"
@@ -690,7 +542,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker", choices=["eager", "lazy"], help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
-    parser.add_argument("--log", help=argparse.SUPPRESS)
-    parser.add_argument("items", nargs="*", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--items", help=argparse.SUPPRESS)
     ARGS = parser.parse_args()
-    sys.exit(worker(ARGS.worker, ARGS.items) if ARGS.worker else main())
+    sys.exit(worker(ARGS.worker, _workers.read_items(ARGS.items), ARGS.out) if ARGS.worker else main())
