@@ -3,6 +3,8 @@
 // the batch at dim 0, the mask is broadcast against (B, heads, L, S) — per sample when it has the
 // batch, whole otherwise; outputs and the saved log-sum-exp keep the batch. Without dropout the
 // op draws nothing even though it is tagged random.
+#include <algorithm>
+
 #include "ops/rule_util.h"
 
 namespace lazymem::rules {
@@ -17,8 +19,11 @@ bool dropout_free(const RuleCall& c, int arg) {
 enum class MaskKind { kBroadcast4, kDim0 };
 
 // Binds q/k/v-like operands (dim 0 the batch) and the mask.
+// `rng_rets`: outputs that are the kernel's random-number state (read only with dropout, which these
+// rules refuse): the same for every chunk.
 bool attention_common(const RuleCall& c, RuleResult& r, std::initializer_list<int> batched, int mask_arg,
-                      MaskKind kind = MaskKind::kBroadcast4, bool per_sample_mask = false) {
+                      MaskKind kind = MaskKind::kBroadcast4, bool per_sample_mask = false,
+                      std::initializer_list<int> rng_rets = {}) {
   std::optional<Place> p;
   int64_t rows = -1;
   for (int arg : batched) {
@@ -57,8 +62,9 @@ bool attention_common(const RuleCall& c, RuleResult& r, std::initializer_list<in
   }
   for (size_t j = 0; j < c.outs.size(); ++j) {
     if (c.outs[j].dim() == 1 && c.outs[j].sizes[0] == 0) continue; // an empty placeholder (no weights)
-    if (c.outs[j].dim() == 0) {
-      r.outs[j] = Place::R(); // the memory-efficient kernel's dropout seed and offset (unread without dropout)
+    if (c.outs[j].dim() == 0 || std::find(rng_rets.begin(), rng_rets.end(), c.outs[j].ret) != rng_rets.end()) {
+      // The fused kernels' dropout seed and offset (unread without dropout): every chunk's alike.
+      r.outs[j] = Place::P(Reduce::kNone);
       continue;
     }
     if (c.outs[j].dim() == 0 || c.outs[j].sizes[0] != rows) return fail(r, "an output without the batch");
@@ -129,7 +135,32 @@ bool efficient_backward(const RuleCall& c, RuleResult& r) {
   return attention_common(c, r, {0, 1, 2, 3, 5, 6}, 4);
 }
 
+// _scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, return_debug_mask, scale)
+//   -> (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_attn_mask):
+//   CUDA's flash kernel, (B, heads, L, E) operands; the cumulative lengths are undefined and the debug
+//   mask empty without return_debug_mask; max_q/max_k are the sequence lengths, every chunk's.
+bool flash(const RuleCall& c, RuleResult& r) {
+  if (!dropout_free(c, 3)) return fail(r, "attention dropout inside the fused kernel");
+  if (c.args[5].isBool() && c.args[5].toBool()) return fail(r, "the flash kernel's debug attention mask");
+  r.no_draws = true;
+  if (nothing_batched(c)) return replicated(c, r);
+  return attention_common(c, r, {0, 1, 2}, /*mask_arg=*/-1, MaskKind::kBroadcast4, false, {6, 7});
+}
+
+// ..._backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+//   dropout_p, is_causal, philox_seed, philox_offset, scale) -> (grad_query, grad_key, grad_value)
+bool flash_backward(const RuleCall& c, RuleResult& r) {
+  if (!dropout_free(c, 10)) return fail(r, "attention dropout inside the fused kernel");
+  r.no_draws = true;
+  if (nothing_batched(c)) return replicated(c, r);
+  const int64_t cq = c.operand_index(6), ck = c.operand_index(7);
+  if (cq >= 0 || ck >= 0) return fail(r, "variable-length flash attention (cumulative sequence lengths)");
+  return attention_common(c, r, {0, 1, 2, 3, 4, 5}, /*mask_arg=*/-1);
+}
+
 const bool registered = [] {
+  register_placement_rules("attention", {"aten::_scaled_dot_product_flash_attention"}, &flash);
+  register_placement_rules("attention", {"aten::_scaled_dot_product_flash_attention_backward"}, &flash_backward);
   register_placement_rules("attention", {"aten::_scaled_dot_product_flash_attention_for_cpu"}, &flash_cpu);
   register_placement_rules("attention", {"aten::_scaled_dot_product_flash_attention_for_cpu_backward"},
                            &flash_cpu_backward);

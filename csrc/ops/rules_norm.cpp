@@ -90,7 +90,8 @@ bool training(const RuleCall& c, int arg) {
 }
 
 // native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
-//   -> (out, save_mean, save_invstd); _native_batch_norm_legit_no_training has no `training`.
+//   -> (out, save_mean, save_invstd); _native_batch_norm_legit_no_training has no `training`;
+//   cudnn_batch_norm has native_batch_norm's arguments and an empty reserve space as a fourth output.
 bool batch_norm(const RuleCall& c, RuleResult& r) {
   if (nothing_batched(c)) return replicated(c, r);
   const bool legit = c.op.operator_name().name == "aten::_native_batch_norm_legit_no_training";
@@ -105,13 +106,14 @@ bool batch_norm(const RuleCall& c, RuleResult& r) {
 }
 
 // native_batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean,
-//   save_invstd, train, eps, mask) -> (grad_input, grad_weight, grad_bias)
+//   save_invstd, train, eps, mask) -> (grad_input, grad_weight, grad_bias); cudnn_batch_norm_backward
+//   (input, grad_out, ...) is a training one.
 bool batch_norm_backward(const RuleCall& c, RuleResult& r) {
   if (nothing_batched(c)) return replicated(c, r);
   auto p = batch_of(c, r, {0, 1}, 1);
   if (!p) return false;
   if (!p->is_s()) return replicated(c, r);
-  if (training(c, 7)) return expand(r, *p);
+  if (c.op.operator_name().name == "aten::cudnn_batch_norm_backward" || training(c, 7)) return expand(r, *p);
   grad_outputs(c, r, *p);
   return true;
 }
@@ -172,9 +174,12 @@ const bool registered = [] {
   register_placement_rules("norm", {"aten::native_layer_norm_backward"}, &layer_norm_backward);
   register_placement_rules("norm", {"aten::native_group_norm"}, &group_norm);
   register_placement_rules("norm", {"aten::native_group_norm_backward"}, &group_norm_backward);
-  register_placement_rules("norm", {"aten::native_batch_norm", "aten::_native_batch_norm_legit_no_training"},
+  register_placement_rules("norm",
+                           {"aten::native_batch_norm", "aten::_native_batch_norm_legit_no_training",
+                            "aten::cudnn_batch_norm"},
                            &batch_norm);
-  register_placement_rules("norm", {"aten::native_batch_norm_backward"}, &batch_norm_backward);
+  register_placement_rules("norm", {"aten::native_batch_norm_backward", "aten::cudnn_batch_norm_backward"},
+                           &batch_norm_backward);
   register_placement_rules("norm", {"lazymem::bn_moments"}, &bn_moments);
   register_placement_rules("norm", {"lazymem::bn_backward_reduce"}, &bn_backward_reduce);
   register_placement_rules("norm", {"lazymem::bn_apply"}, &bn_rows<0>);

@@ -203,7 +203,9 @@ TensorMeta stats_meta(int64_t channels, c10::ScalarType dtype) {
 }
 
 // native_batch_norm(x, weight, bias, running_mean!, running_var!, training, momentum, eps)
-//   -> (out, save_mean, save_invstd)
+//   -> (out, save_mean, save_invstd); cudnn_batch_norm has the same arguments and a fourth output,
+//   its reserve space: empty for the plain batch norm (record/composite/batch_norm.cpp), made empty
+//   here too, as cudnn_batch_norm_backward expands without reading it.
 bool expand_forward(Analysis& a, int32_t i) {
   const Node& n = *a.nodes[i].node;
   const Use* x = use_at(n, 0);
@@ -227,6 +229,12 @@ bool expand_forward(Analysis& a, int32_t i) {
   loop.push_back(true);
   b.node(op("lazymem::bn_finish", ""), {none, c10::IValue(eps)}, {{0, stats}}, {{0, mean->ref}, {1, invstd->ref}});
   loop.push_back(false);
+  if (const Def* reserve = def_at(n, 3)) {
+    if (reserve->ref.meta.numel() != 0) return false;
+    b.node(op("aten::new_empty", ""), {none, c10::IValue(std::vector<int64_t>{0}), c10::IValue(c10::kByte), none, none, none},
+           {{0, mean->ref}}, {{0, reserve->ref}});
+    loop.push_back(false);
+  }
   int32_t effect = -1;
   if (rm) {
     Use wm = *rm, wv = *rv;
@@ -246,11 +254,13 @@ bool expand_forward(Analysis& a, int32_t i) {
 }
 
 // native_batch_norm_backward(grad_out, x, weight, running_mean, running_var, save_mean, save_invstd,
-//   train, eps, output_mask) -> (grad_input, grad_weight, grad_bias)
-bool expand_backward(Analysis& a, int32_t i) {
+//   train, eps, output_mask) -> (grad_input, grad_weight, grad_bias); cudnn_batch_norm_backward(x,
+//   grad_out, weight, running_mean, running_var, save_mean, save_invstd, eps, reserve) (training
+//   only; the reserve space is not needed): `cudnn` swaps the first two.
+bool expand_backward(Analysis& a, int32_t i, bool cudnn) {
   const Node& n = *a.nodes[i].node;
-  const Use* g = use_at(n, 0);
-  const Use* x = use_at(n, 1);
+  const Use* g = use_at(n, cudnn ? 1 : 0);
+  const Use* x = use_at(n, cudnn ? 0 : 1);
   const Use* mean = use_at(n, 5);
   const Use* invstd = use_at(n, 6);
   if (!g || !x || !mean || !invstd || x->ref.meta.sizes.size() < 2) return false;
@@ -374,8 +384,9 @@ bool expand_node(Analysis& a, int32_t i) {
   const std::string& name = a.nodes[i].node->op.schema().name();
   const std::string& overload = a.nodes[i].node->op.schema().overload_name();
   bool ok = false;
-  if (name == "aten::native_batch_norm") ok = expand_forward(a, i);
-  if (name == "aten::native_batch_norm_backward") ok = expand_backward(a, i);
+  if (name == "aten::native_batch_norm" || name == "aten::cudnn_batch_norm") ok = expand_forward(a, i);
+  if (name == "aten::native_batch_norm_backward") ok = expand_backward(a, i, false);
+  if (name == "aten::cudnn_batch_norm_backward") ok = expand_backward(a, i, true);
   if (name == "aten::_softmax" || name == "aten::_log_softmax") ok = expand_softmax(a, i, name == "aten::_log_softmax");
   if (name == "aten::_softmax_backward_data" || name == "aten::_log_softmax_backward_data") {
     ok = expand_softmax_backward(a, i, name == "aten::_log_softmax_backward_data");

@@ -20,24 +20,13 @@
 #include <torch/library.h>
 
 #include "core/runtime.h"
+#include "record/meta.h"
 
 namespace lazymem {
 namespace {
 
 using SdpChoiceFn = int64_t(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                             double, bool, std::optional<double>, bool);
-
-// A tensor with t's metadata (dtype, sizes, strides, offset, requires_grad) on the backing device
-// and no memory behind it: what a kernel-choice function reads, never data.
-at::Tensor metadata_twin(const at::Tensor& t) {
-  const c10::Device dev = backing_device();
-  c10::Storage st(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, dev), nullptr, /*resizable=*/false);
-  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(st), c10::DispatchKeySet(backing_key()), t.dtype());
-  impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
-  at::Tensor twin(std::move(impl));
-  if (t.requires_grad()) twin.set_requires_grad(true);
-  return twin;
-}
 
 int64_t lazy_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const std::optional<at::Tensor>& mask, double dropout, bool is_causal,

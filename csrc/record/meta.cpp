@@ -275,4 +275,15 @@ size_t meta_cache_size() {
   return cache().size();
 }
 
+at::Tensor metadata_twin(const at::Tensor& t) {
+  if (!t.defined()) return {};
+  const c10::Device dev = backing_device();
+  c10::Storage st(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, dev), nullptr, /*resizable=*/false);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(st), c10::DispatchKeySet(backing_key()), t.dtype());
+  impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  at::Tensor twin(std::move(impl));
+  if (t.requires_grad()) twin.set_requires_grad(true);
+  return twin;
+}
+
 } // namespace lazymem

@@ -54,4 +54,9 @@ std::shared_ptr<const MetaResult> infer_meta(Call& call);
 void clear_meta_cache();
 size_t meta_cache_size();
 
+// A tensor with t's metadata (dtype, sizes, strides, offset, requires_grad) on the backing device
+// and no memory behind it: what a kernel-choice function (SDPA's, batch norm's) reads, never data.
+// Undefined for an undefined t.
+at::Tensor metadata_twin(const at::Tensor& t);
+
 } // namespace lazymem

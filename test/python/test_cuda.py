@@ -5,6 +5,8 @@ too."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import subprocess
 import sys
 
@@ -15,6 +17,9 @@ from torch.autograd.variable import Variable
 
 import torch_lazymem
 from torch_lazymem import _C, _cuda
+from torch_lazymem.testing import force_chunks
+
+from conftest import BACKING
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -148,6 +153,184 @@ def test_attention_takes_eagers_kernel_and_matches_it_bitwise(dtype):
         out = F.scaled_dot_product_attention(*leaves, is_causal=True)
         out.square().sum().backward()
         return [t.cpu() for t in (out.detach(), *(x.grad for x in leaves))]
+
+    for got, want in zip(run("lazymem"), run("cuda")):
+        assert torch.equal(got, want)
+
+
+@pytest.fixture
+def cuda_attention_kernels():
+    """CUDA's fused attention ops (flash, memory-efficient). On the CPU backing, CPU kernels stand in
+    for them (CPU flash attention's arithmetic, the CUDA ops' outputs: their log-sum-exp padding, RNG
+    state and empty placeholders), so that the planner's handling of the CUDA ops (their split rules)
+    runs without a GPU."""
+    if torch_lazymem.backing_device().type == "cuda":
+        yield
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    cpu_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    seed = torch.zeros((), dtype=torch.int64)
+
+    def flash(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+        out, lse = cpu_flash(q, k, v, dropout_p, is_causal, scale=scale)
+        rng = torch.zeros(2, dtype=torch.uint64)
+        return out, lse, None, None, q.size(2), k.size(2), rng, rng[0].clone(), q.new_empty(0)
+
+    def flash_backward(g, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed_, offset, *,
+                       scale=None):
+        return cpu_flash_backward(g, q, k, v, out, lse, dropout_p, is_causal, scale=scale)
+
+    def efficient(q, k, v, bias, compute_lse, dropout_p=0.0, is_causal=False, *, scale=None):
+        out, lse = cpu_flash(q, k, v, dropout_p, is_causal, attn_mask=bias, scale=scale)
+        padded = (q.size(2) + 31) // 32 * 32  # the CUDA kernel's log-sum-exp rows
+        return out, F.pad(lse, (0, padded - q.size(2))), seed.clone(), seed.clone()
+
+    def efficient_backward(g, q, k, v, bias, out, lse, seed_, offset, dropout_p, mask, is_causal=False, *, scale=None):
+        gq, gk, gv = cpu_flash_backward(g, q, k, v, out, lse[..., : q.size(2)].contiguous(), dropout_p, is_causal,
+                                        attn_mask=bias, scale=scale)
+        return gq, gk, gv, None
+
+    lib.impl("_scaled_dot_product_flash_attention", flash, "CPU")
+    lib.impl("_scaled_dot_product_flash_attention_backward", flash_backward, "CPU")
+    lib.impl("_scaled_dot_product_efficient_attention", efficient, "CPU")
+    lib.impl("_scaled_dot_product_efficient_attention_backward", efficient_backward, "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
+def _flash(q, k, v, mask):
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=0.125)[0]
+
+
+def _flash_padded(q, k, v, mask):
+    """As lazymem's SDPA calls CUDA's flash kernel for a head dim that is not a multiple of 8."""
+    d = q.size(-1)
+    return _flash(*(F.pad(t, (0, 8 - d % 8)) for t in (q, k, v)), mask)[..., :d]
+
+
+def _efficient(q, k, v, mask):
+    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, True, 0.0, mask is None,
+                                                                  scale=0.125)[0]
+
+
+def _sdpa(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+
+
+@pytest.mark.parametrize("kernel, dtype, head_dim, masked", [
+    (_flash, torch.bfloat16, 40, False),
+    (_flash_padded, torch.bfloat16, 36, False),
+    (_efficient, torch.float32, 40, False),
+    (_efficient, torch.float32, 40, True),
+    (_sdpa, torch.bfloat16, 36, False),  # CUDA: flash, the head dim padded to 40 around it
+    (_sdpa, torch.float32, 36, True),  # CUDA: memory-efficient with a per-sample mask
+])
+def test_fused_attention_split_along_the_batch_equals_unsplit(cuda_attention_kernels, kernel, dtype, head_dim, masked):
+    """CUDA's fused attention kernels split along the batch in ragged chunks (7 rows in 3) give the
+    unsplit results: each batch row's attention is its own. Their RNG state outputs (unread without
+    dropout) are every chunk's alike."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(7, 4, 64, head_dim, dtype=dtype) for _ in range(3))
+    mask = torch.randn(7, 1, 64, 64, dtype=dtype) if masked else None
+
+    def run(chunks):
+        leaves = [t.to("lazymem").requires_grad_() for t in (q, k, v)]
+        m = mask.to("lazymem") if masked else None
+        torch_lazymem.reset_stats()
+        with force_chunks(chunks) if chunks else contextlib.nullcontext():
+            out = kernel(*leaves, m)
+            out.square().sum().backward()
+            got = [t.cpu() for t in (out.detach(), *(x.grad for x in leaves))]
+        return got, torch_lazymem.stats(), torch_lazymem.explain(print_it=False)
+
+    whole, s1, _ = run(None)
+    split, s3, text = run(3)
+    assert s1["splits"] == 0 and s3["splits"] >= 1 and "runs whole" not in text, text
+    for got, want in zip(split, whole):
+        torch.testing.assert_close(got, want)
+
+
+# --- batch norm takes cuDNN's kernel where eager CUDA does ------------------------------------------
+
+
+@pytest.fixture
+def cudnn_batch_norm():
+    """The cuDNN batch norm ops. On the CPU backing, CPU kernels stand in for them (native batch norm's
+    arithmetic, cuDNN's empty reserve space and empty eval-mode statistics), so that the planner's
+    handling of the cuDNN ops (split rules, the training expansion) runs without a GPU."""
+    if torch_lazymem.backing_device().type == "cuda":
+        yield
+        return
+    lib = torch.library.Library("aten", "IMPL")
+
+    def forward(x, w, b, rm, rv, training, momentum, eps):
+        out, mean, invstd = torch.ops.aten.native_batch_norm(x, w, b, rm, rv, training, momentum, eps)
+        if not training:
+            mean, invstd = w.new_empty(0), w.new_empty(0)
+        return out, mean, invstd, x.new_empty(0, dtype=torch.uint8)
+
+    def backward(x, g, w, rm, rv, mean, invstd, eps, reserve):
+        return torch.ops.aten.native_batch_norm_backward(g, x, w, rm, rv, mean, invstd, True, eps, [True] * 3)
+
+    lib.impl("cudnn_batch_norm", forward, "CPU")
+    lib.impl("cudnn_batch_norm_backward", backward, "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
+def _bn_step(device, training, chunks=None, item_between=False, dtype=torch.float64):
+    """A batch norm forward and backward through aten.cudnn_batch_norm on `device`: output, the
+    gradients and the running statistics, on the CPU."""
+    torch.manual_seed(0)
+    x, g = torch.randn(7, 3, 5, 5, dtype=dtype), torch.randn(7, 3, 5, 5, dtype=dtype)
+    w, b = torch.rand(3, dtype=dtype) + 0.5, torch.rand(3, dtype=dtype)
+    rm, rv = torch.rand(3, dtype=dtype), torch.rand(3, dtype=dtype) + 1
+    x, w, b = (t.to(device).requires_grad_() for t in (x, w, b))
+    g, rm, rv = (t.to(device) for t in (g, rm, rv))
+    with force_chunks(chunks) if chunks else contextlib.nullcontext():
+        out = torch.ops.aten.cudnn_batch_norm(x, w, b, rm, rv, training, 0.1, 1e-5)[0]
+        if item_between:
+            out.sum().item()  # the forward materializes alone; its reserve space is held for the backward
+        (out * g).sum().backward()
+        return [t.detach().cpu() for t in (out, x.grad, w.grad, b.grad, rm, rv)]
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("item_between", [False, True])
+def test_cudnn_batch_norm_splits_along_the_batch(cudnn_batch_norm, training, item_between):
+    whole = _bn_step("lazymem", training)
+    for want, got in zip(_bn_step(BACKING, training), whole):
+        assert torch.equal(got, want)
+    torch_lazymem.reset_stats()
+    split = _bn_step("lazymem", training, chunks=3, item_between=item_between)
+    assert torch_lazymem.stats()["splits"] >= 1
+    for want, got in zip(whole, split):
+        torch.testing.assert_close(got, want)
+
+
+@cuda
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_batch_norm_takes_cudnns_kernel_and_matches_eager_bitwise(memory_format):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.InstanceNorm2d(8, affine=True))
+    x = torch.randn(16, 3, 20, 20).contiguous(memory_format=memory_format)
+
+    def run(device):
+        m = copy.deepcopy(model).to(device).to(memory_format=memory_format)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(2):
+            out = m(x.to(device))
+            out.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        m.eval()
+        return [out.detach().cpu(), m(x.to(device)).detach().cpu(), *(t.detach().cpu() for t in m.state_dict().values())]
 
     for got, want in zip(run("lazymem"), run("cuda")):
         assert torch.equal(got, want)

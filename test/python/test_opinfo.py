@@ -125,8 +125,6 @@ XFAIL_CUDA = {
 }
 # Not bitwise on CUDA, by design or not yet understood; values within TOLERANCE pass.
 NONDETERMINISTIC_CUDA = {
-    "nn.functional.batch_norm": "eager CUDA runs cuDNN's batch norm, lazymem ATen's native kernel (which it can split)",
-    "nn.functional.instance_norm": "a batch norm inside: cuDNN in eager CUDA, ATen's native kernel on lazymem",
     "nn.functional.grid_sample": "eager CUDA takes cuDNN's grid sampler for 4-d inputs; its backward adds atomically",
     "nn.functional.interpolate.bilinear": "the CUDA backward adds atomically (run-to-run nondeterministic)",
     "renorm": "the gradient differs from eager CUDA by ~4e-9 (not yet investigated)",
