@@ -365,7 +365,9 @@ def judge_cap(eager: Result, lazy: Result) -> tuple[str, Result]:
             f"reserved {run['reserved'] / GiB:.2f} of {CAP / GiB:g} GiB (budget {run['budget'] / GiB:.2f}), "
             f"allocated {run['allocated'] / GiB:.2f} GiB vs predicted {run['predicted'] / GiB:.2f}, "
             f"{run['chunks']} chunks, {run['oom_retries']} retries ({run['first_retries']} in the first step)")
-    return ok(len(lazy) == 3 and not any("error" in r for r in lazy.values()), figures)
+    # The goal: what the caching allocator reserves stays within the budget at every step.
+    within = all(r.get("reserved", 0) <= r.get("budget", 0) for r in lazy.values() if "error" not in r)
+    return ok(len(lazy) == 3 and not any("error" in r for r in lazy.values()) and within, figures)
 
 
 def item_tiny(side: str) -> Result:

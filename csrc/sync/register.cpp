@@ -31,12 +31,16 @@ void record_copy(const at::Tensor& dst, const at::Tensor& src, bool non_blocking
   record_or_run(op, &stack, /*allow_constants=*/true);
 }
 
-// Reads a lazymem tensor into a tensor on another device (the download of every sync point).
+// Reads a lazymem tensor into a tensor on another device (the download of every sync point). Into
+// host memory the copy has ended when this returns, non_blocking or not: the value is read at a sync
+// point, which has waited for the program anyway, and the caller has no stream of the backing device
+// to wait on (`x.to("cpu", non_blocking=True)` gets pinned memory, which a CUDA copy would otherwise
+// still be filling when the caller reads it).
 void read_into(const at::Tensor& lazy, const at::Tensor& dst, bool non_blocking) {
   materialize({buffer_of(lazy)});
   auto lock = lock_flush();
   c10::impl::ExcludeDispatchKeyGuard guard(kAboveBackendKeys);
-  dst.copy_(real_view_of(lazy), non_blocking);
+  dst.copy_(real_view_of(lazy), non_blocking && !dst.is_cpu());
 }
 
 at::Tensor lazy_copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {

@@ -234,7 +234,8 @@ def test_fused_attention_split_along_the_batch_equals_unsplit(cuda_attention_ker
     dropout) are every chunk's alike."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(7, 4, 64, head_dim, dtype=dtype) for _ in range(3))
-    mask = torch.randn(7, 1, 64, 64, dtype=dtype) if masked else None
+    # (the memory-efficient kernel takes a bias with every head: SDPA expands a mask before calling it)
+    mask = torch.randn(7, 1, 64, 64, dtype=dtype).expand(7, 4, 64, 64) if masked else None
 
     def run(chunks):
         leaves = [t.to("lazymem").requires_grad_() for t in (q, k, v)]
@@ -334,3 +335,34 @@ def test_batch_norm_takes_cudnns_kernel_and_matches_eager_bitwise(memory_format)
 
     for got, want in zip(run("lazymem"), run("cuda")):
         assert torch.equal(got, want)
+
+
+# --- host and device memory on the backing device ---------------------------------------------------
+
+
+def test_a_value_held_in_host_memory_crosses_both_ways_on_the_backing_device():
+    """Under a 6 MiB budget a 16 MiB result the user holds, read by a second program, is assembled in
+    host memory (pinned on CUDA: device-to-host copies) and a third program reads it chunk by chunk, each chunk's rows copied
+    to the device while the chunk before computes (on CUDA: a copy stream, the compute stream waiting
+    on the copy's event). Eager's values on the backing device."""
+    torch.manual_seed(0)
+    xh = torch.randn(2048, 1024, dtype=torch.float64)
+    want_first = xh.to(BACKING).tanh().cos().sum(0).cpu()
+    want = (xh.to(BACKING).tanh() * 2).exp().sin().sum().cpu()
+    torch_lazymem.set_memory_budget("6MiB")
+    try:
+        y = xh.to("lazymem").tanh()
+        y.sum().item()  # y stays pending (recomputed per chunk when read)
+        torch_lazymem.reset_stats()
+        first = y.cos().sum(0).cpu()  # y is assembled
+        s1 = torch_lazymem.stats()
+        torch_lazymem.reset_stats()
+        got = (y * 2).exp().sin().sum().cpu()
+        s2, text = torch_lazymem.stats(), torch_lazymem.explain(print_it=False)
+    finally:
+        torch_lazymem.set_memory_budget(None)
+    torch.testing.assert_close(first, want_first)
+    torch.testing.assert_close(got, want)
+    assert s1["values_in_host_memory"] >= 1 and s1["d2h_bytes"] >= xh.nbytes, s1
+    assert s2["h2d_bytes"] == xh.nbytes and s2["chunks"] >= 3 and s2["h2d_ahead"] == s2["chunks"], (s2, text)
+    assert s2["peak_bytes"] <= 6 << 20, s2
