@@ -7,7 +7,10 @@ BatchNorm CNN (training only) — the first two in inference (``torch.no_grad()`
 ``loss.item()``); the transformer again with ``clip_grad_norm_`` between backward and step; a
 transformers BERT classifier with an attention mask (padded sequences: the mask is checked inside the
 forward, a sync); a GPT-2 with the real 50,257-token vocabulary and the language-model loss written
-by hand (``cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))``). Eager runs under
+by hand (``cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))``); a GAN whose step
+takes two optimizer steps (the discriminator's, then the generator's through the updated
+discriminator); an MLP whose batch is drawn on the device each step (``multinomial`` over sampling
+weights, then ``x[idx]``, ``y[idx]`` from a dataset held there). Eager runs under
 ``memory_cap(capacity)`` with its model, optimizer state and batch on the "device"; lazymem runs the
 same unmodified step under ``simulated_device(capacity)`` with the batch uploaded from host memory.
 
@@ -89,6 +92,11 @@ class Case:
     # The training loss of a batch (its tensors on the device); default: cross entropy of model(x), y.
     loss: Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor] | None = None
     clip: float | None = None  # clip_grad_norm_ between backward and step
+    # A whole training step of its own (several optimizers, indices drawn on the device): it does the
+    # backward passes and optimizer steps and returns the loss to read; `optimizers` makes its
+    # optimizers (default: one AdamW over the model).
+    step: Callable[[nn.Module, list[torch.optim.Optimizer], tuple[torch.Tensor, ...]], torch.Tensor] | None = None
+    optimizers: Callable[[nn.Module], list[torch.optim.Optimizer]] | None = None
 
     def batch(self, rows: int, seed: int) -> tuple[torch.Tensor, ...]:
         g = torch.Generator().manual_seed(seed)
@@ -141,6 +149,61 @@ def shifted_lm_loss(model: nn.Module, b: tuple[torch.Tensor, ...]) -> torch.Tens
     return F.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
 
 
+class GAN(nn.Module):
+    """A generator (16 -> 512 -> 128) and a discriminator (128 -> 512 -> 1), leaky ReLUs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gen = nn.Sequential(nn.Linear(16, 512), nn.LeakyReLU(0.2), nn.Linear(512, 128))
+        self.disc = nn.Sequential(nn.Linear(128, 512), nn.LeakyReLU(0.2), nn.Linear(512, 1))
+
+
+def gan_optimizers(m: nn.Module) -> list[torch.optim.Optimizer]:
+    return [torch.optim.Adam(m.disc.parameters(), lr=1e-4, betas=(0.5, 0.999)),
+            torch.optim.Adam(m.gen.parameters(), lr=1e-4, betas=(0.5, 0.999))]
+
+
+def gan_step(m: nn.Module, opts: list[torch.optim.Optimizer], b: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """D's step on real and fake.detach(), then G's through the updated D: two optimizer steps in one
+    program (issue 31)."""
+    real, z = b
+    ones = torch.ones(real.shape[0], 1, device=real.device)
+    fake = m.gen(z)
+    bce = F.binary_cross_entropy_with_logits
+    loss_d = bce(m.disc(real), ones) + bce(m.disc(fake.detach()), torch.zeros_like(ones))
+    opts[0].zero_grad()
+    loss_d.backward()
+    opts[0].step()
+    loss_g = bce(m.disc(fake), ones)
+    opts[1].zero_grad()
+    loss_g.backward()
+    opts[1].step()
+    return loss_d.detach() + loss_g.detach()
+
+
+class SampledMLP(nn.Module):
+    """An MLP (64-512-512-10) and its dataset (16,384 samples, 4 MiB) held on the device with sampling
+    weights: each step draws its batch there (issue 31)."""
+
+    def __init__(self, n: int = 16384) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+        g = torch.Generator().manual_seed(7)
+        self.register_buffer("x", torch.randn(n, 64, generator=g))
+        self.register_buffer("y", torch.randint(0, 10, (n,), generator=g))
+        self.register_buffer("w", torch.rand(n, generator=g))
+
+
+def sampled_step(m: nn.Module, opts: list[torch.optim.Optimizer], b: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """idx = multinomial(w, B) drawn on the device, then the model on x[idx] against y[idx]."""
+    idx = torch.multinomial(m.w, b[0].shape[0], replacement=True)
+    loss = F.cross_entropy(m.net(m.x[idx]), m.y[idx])
+    loss.backward()
+    opts[0].step()
+    opts[0].zero_grad()
+    return loss
+
+
 CASES = [
     Case("MLP inference", mlp, lambda n, g: torch.randn(n, 256, generator=g), 16 * MiB, False),
     Case("MLP training", mlp, lambda n, g: torch.randn(n, 256, generator=g), 32 * MiB, True),
@@ -159,6 +222,13 @@ CASES = [
     # from a stream generated whole (issue 27).
     Case("transformer training, dropout 0.1", lambda: TinyTransformer(dropout=0.1),
          lambda n, g: torch.randint(0, 512, (n, 64), generator=g), 32 * MiB, True),
+    # Two optimizer steps in one program; a batch drawn on the device from a dataset held there (the
+    # uploaded tensor only gives the batch size).
+    Case("GAN training, two optimizer steps", GAN,
+         lambda n, g: (torch.randn(n, 128, generator=g), torch.randn(n, 16, generator=g)), 32 * MiB, True,
+         step=gan_step, optimizers=gan_optimizers),
+    Case("MLP training, batch sampled on the device", SampledMLP, lambda n, g: (torch.zeros(n, 1),), 32 * MiB,
+         True, step=sampled_step),
 ]
 
 
@@ -169,7 +239,12 @@ class Runner:
         self.case, self.lazy = case, lazy
         with self.cap():
             self.model = copy.deepcopy(base).to("lazymem") if lazy else copy.deepcopy(base)
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3) if case.training else None
+            if not case.training:
+                self.opts: list[torch.optim.Optimizer] = []
+            elif case.optimizers:
+                self.opts = case.optimizers(self.model)
+            else:
+                self.opts = [torch.optim.AdamW(self.model.parameters(), lr=1e-3)]
             if lazy:
                 torch.lazymem.synchronize()
         self.model.train(case.training)
@@ -186,13 +261,14 @@ class Runner:
             if not self.case.training:
                 with torch.no_grad():
                     return float(self.model(b[0]).cpu().double().sum())
+            if self.case.step:
+                return self.case.step(self.model, self.opts, b).item()
             loss = self.case.loss(self.model, b) if self.case.loss else F.cross_entropy(self.model(b[0]), b[1])
             loss.backward()
             if self.case.clip is not None:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.case.clip)
-            assert self.opt is not None
-            self.opt.step()
-            self.opt.zero_grad()
+            self.opts[0].step()
+            self.opts[0].zero_grad()
             return loss.item()
 
     def peak(self) -> int:

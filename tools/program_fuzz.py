@@ -16,7 +16,8 @@ The grammar (tools/program_grammar.py):
   memory   values crossing passes held in host memory (set_recompute(False)) in a quarter of the
            programs, always recomputed in a tenth, priced in the rest; the simulated device checks that
            every kernel operand is in device memory (LAZYMEM_CHECK_BOUNDARY=1)
-  acts     relu / gelu / tanh / silu, some in place
+  acts     relu / gelu / tanh / silu, or in 40% of programs (a stream of their own) leaky_relu / elu /
+           hardswish / softplus / hardtanh / mish / hardsigmoid / selu, some in place
   losses   cross entropy (class weights, label smoothing), MSE on a regression head
   loops    loss read before or after backward, two backwards over the halves of the batch before one
            step, clip_grad_norm_, GradScaler, a sync inside the forward, slices of the batch through

@@ -66,8 +66,16 @@ LAYERS = {
 }
 
 
+OTHER_ACTS = ["leaky_relu", "elu", "hardswish", "softplus", "hardtanh", "mish", "hardsigmoid", "selu"]
+
 RANDOM_OPS = ["randn_like", "rand_like_mask", "bernoulli_p", "normal_tt", "noise_transposed", "noise_slice",
               "dropout_fn"]
+
+
+def pick(drawn: str, other: str | None) -> str:
+    """The activation: `other` where its stream chose one, else the one drawn from the main stream
+    (drawn either way, so that the main stream's later draws are what they were)."""
+    return other or drawn
 
 
 def draw(seed: int) -> Spec:
@@ -75,6 +83,9 @@ def draw(seed: int) -> Spec:
     # they joined the grammar (the regression seeds replay the programs that found their bugs).
     q = random.Random(seed ^ 0x5EED)
     rand_ops = sorted((q.randint(0, 4), q.choice(RANDOM_OPS)) for _ in range(q.choice([0, 0, 1, 1, 2, 3])))
+    # So does the choice of a less common activation (whose gradients ATen does not tag pointwise).
+    acts = random.Random(seed ^ 0xAC75)
+    other_act = acts.choice(OTHER_ACTS) if acts.random() < 0.4 else None
     # So does the recompute setting (host memory for values crossing passes in a quarter of programs).
     h = random.Random(seed ^ 0x4057).random()
     recompute = False if h < 0.25 else True if h < 0.35 else None
@@ -85,7 +96,7 @@ def draw(seed: int) -> Spec:
     halves = training and r.random() < 0.2
     return Spec(
         seed=seed, kind=kind, batch=r.choice([24, 48, 96, 200, 384]) if kind != "img" else r.choice([16, 32, 64]),
-        width=r.choice([8, 16, 32]), layers=layers, act=r.choice(["relu", "gelu", "tanh", "silu"]),
+        width=r.choice([8, 16, 32]), layers=layers, act=pick(r.choice(["relu", "gelu", "tanh", "silu"]), other_act),
         inplace=r.random() < 0.3, loss=r.choice(["ce", "ce_weighted", "ce_smooth", "mse"]), training=training,
         steps=r.choice([1, 2]), optim=r.choice(["sgd", "adamw"]), read_before=r.random() < 0.3, halves=halves,
         clip=training and r.random() < 0.3, scaler=training and not halves and r.random() < 0.15,
@@ -115,9 +126,14 @@ def random_op(name: str, h: torch.Tensor) -> torch.Tensor:
 
 
 def activation(spec: Spec, h: torch.Tensor) -> torch.Tensor:
-    if spec.inplace and spec.act in ("relu", "tanh", "silu"):
-        return {"relu": F.relu_, "tanh": torch.tanh_, "silu": lambda t: F.silu(t, inplace=True)}[spec.act](h)
-    return {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh, "silu": F.silu}[spec.act](h)
+    if spec.inplace and spec.act in ("relu", "tanh", "silu", "leaky_relu", "hardtanh", "hardswish", "elu"):
+        return {"relu": F.relu_, "tanh": torch.tanh_, "silu": lambda t: F.silu(t, inplace=True),
+                "leaky_relu": lambda t: F.leaky_relu_(t, 0.2), "hardtanh": F.hardtanh_,
+                "hardswish": lambda t: F.hardswish(t, inplace=True), "elu": F.elu_}[spec.act](h)
+    return {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh, "silu": F.silu,
+            "leaky_relu": lambda t: F.leaky_relu(t, 0.2), "elu": F.elu, "hardswish": F.hardswish,
+            "softplus": F.softplus, "hardtanh": F.hardtanh, "mish": F.mish, "hardsigmoid": F.hardsigmoid,
+            "selu": F.selu}[spec.act](h)
 
 
 class Block(nn.Module):

@@ -96,6 +96,15 @@ const bool registered = [] {
                             "aten::resolve_conj", "aten::resolve_neg", "aten::_conj_physical", "aten::conj_physical",
                             "aten::conj_physical_", "aten::log_sigmoid_forward", "aten::log_sigmoid_backward"},
                            &pointwise, /*outer_aware=*/true);
+  // Elementwise activations and activation gradients that ATen does not tag pointwise (a leaky-ReLU
+  // GAN's backward ran whole through leaky_relu_backward: issue 31).
+  register_placement_rules("pointwise",
+                           {"aten::leaky_relu_backward", "aten::hardtanh_backward", "aten::elu_backward",
+                            "aten::softplus_backward", "aten::hardswish", "aten::hardswish_",
+                            "aten::hardswish_backward", "aten::mish_backward", "aten::hardsigmoid_backward",
+                            "aten::softshrink_backward", "aten::hardshrink_backward",
+                            "aten::rrelu_with_noise_backward"},
+                           &pointwise, /*outer_aware=*/true);
   return true;
 }();
 

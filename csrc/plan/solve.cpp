@@ -97,6 +97,34 @@ std::vector<Source> collect_sources(Analysis& a) {
     seen[b] = 1;
     out.push_back(std::move(s));
   }
+  // Indices drawn on the device (torch.multinomial(w, B), torch.randint(0, N, (B,)), randperm(N)):
+  // a sampled step gathers its batch X[idx] from a dataset held on the device, so idx's rows are the
+  // batch, and the gathers are batch-sharded by it. The drawing node runs whole where its draws
+  // cannot be split (multinomial), and its output is read by rows.
+  for (int32_t i : a.order) {
+    const Node& n = *a.nodes[i].node;
+    const std::string& name = n.op.schema().name();
+    int32_t b = -1;
+    const TensorMeta* m = nullptr;
+    if (name == "aten::multinomial" && !n.defs.empty() && n.defs[0].ret == 0) {
+      b = a.nodes[i].def_buf[0];
+      m = &n.defs[0].ref.meta;
+    } else if ((name == "aten::random_" || name == "aten::randperm" || name == "aten::randint") && !n.uses.empty() &&
+               n.uses[0].full_overwrite()) {
+      b = a.nodes[i].use_buf[0];
+      m = &n.uses[0].ref.meta;
+    }
+    if (b < 0 || seen[b] || !c10::isIntegralType(m->dtype, /*includeBool=*/false) || m->sizes.size() != 1) continue;
+    if (a.bufs[b].buf->batch_hint != LazyBuffer::BatchHint::kAuto) continue;
+    Source s;
+    s.buf = b;
+    s.kind = Source::kFactory;
+    add_dims(s, *m, a.bufs[b].buf->nbytes.load());
+    s.hint = -1; // not a batch unless that helps (mixup's x[perm] permutes the batch: perm is no batch)
+    if (s.layouts.empty()) continue;
+    seen[b] = 1;
+    out.push_back(std::move(s));
+  }
   for (size_t b = 0; b < a.program_bufs; ++b) {
     LazyBuffer* buf = a.bufs[b].buf;
     if (seen[b] || buf->batch_hint != LazyBuffer::BatchHint::kAuto || !valid_fact(*buf)) continue;
@@ -216,8 +244,17 @@ bool place_batch(Analysis& a, const std::vector<Node*>& nodes, const std::vector
     return score(a);
   };
   for (Source& s : a.sources) s.choice = s.hint;
+  // The first node that runs whole under the current choices, and why (explain(), debug output).
+  auto first_barrier = [&] {
+    for (int32_t i : a.order) {
+      if (!a.nodes[i].barrier) continue;
+      return a.nodes[i].node->describe() + ": " + (a.nodes[i].rr.why ? a.nodes[i].rr.why : "");
+    }
+    return std::string();
+  };
   Score best = run();
   const Score at_hints = best;
+  const std::string first_at_hints = first_barrier();
   if (!best.clean()) {
     stats().batch_conflicts.fetch_add(1, std::memory_order_relaxed);
     // Smallest sources first: flipping a class-weight vector or a support set to none is cheap and
@@ -243,11 +280,7 @@ bool place_batch(Analysis& a, const std::vector<Node*>& nodes, const std::vector
           const Score sc = run();
           ++evaluations;
           if (config().debug >= 2) {
-            std::string first;
-            for (int32_t i : a.order) {
-              if (!a.nodes[i].barrier || !first.empty()) continue;
-              first = a.nodes[i].node->describe() + ": " + (a.nodes[i].rr.why ? a.nodes[i].rr.why : "");
-            }
+            const std::string first = first_barrier();
             std::fprintf(stderr, "[lazymem] batch solver: b%llu option %d: held %lld, %zu barriers%s%s, %zu batches\n",
                          static_cast<unsigned long long>(a.bufs[s.buf].buf->id), opt, static_cast<long long>(sc.held),
                          sc.barriers, first.empty() ? "" : " (first: ", first.empty() ? "" : (first + ")").c_str(),
@@ -306,7 +339,9 @@ bool place_batch(Analysis& a, const std::vector<Node*>& nodes, const std::vector
     if (c.parent < 0) a.batch = std::max(a.batch, c.rows);
   }
   if (loop_nodes == 0) {
-    a.notes.push_back("every op that reads the batch runs whole (no placement rule splits them)");
+    std::string note = "every op that reads the batch runs whole (no placement rule splits them)";
+    if (!first_at_hints.empty()) note += "; with each source's first guess at its batch, the first: " + first_at_hints;
+    a.notes.push_back(std::move(note));
     return false;
   }
   return true;

@@ -153,3 +153,151 @@ def test_llama():
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 128, (128, 32), generator=g)
     check(make, {"input_ids": ids, "labels": ids}, hf)
+
+
+# --- issue 31: idioms that ran out of memory ---------------------------------------------------------
+
+
+def sampled_steps(kind, dev, steps=3, n=4096, b=2048):
+    """A dataset held on the device, each step's batch drawn there: idx = multinomial(w, B) (or
+    randint, or randperm(N)[:B]), then X[idx], Y[idx]; AdamW. Losses and parameters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    model = model.double().to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(n, 32, generator=g, dtype=D).to(dev), torch.randint(0, 10, (n,), generator=g).to(dev)
+    w = torch.rand(n, generator=g, dtype=D).to(dev)
+    torch.manual_seed(2)  # eager's and lazymem's generators at the same point of their streams
+    losses = []
+    for _ in range(steps):
+        if kind == "multinomial":
+            idx = torch.multinomial(w, b, replacement=True)
+        elif kind == "randint":
+            idx = torch.randint(0, n, (b,), device=dev)
+        else:
+            idx = torch.randperm(n, device=dev)[:b]
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return [torch.tensor(losses, dtype=D)] + [p.detach().cpu() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("kind", ["multinomial", "randint", "randperm"])
+def test_a_batch_indexed_from_a_dataset_on_the_device(kind):
+    """Indices drawn on the device are the batch (issue 31, item 3): under 25% of eager's peak the
+    gathers X[idx], Y[idx] and everything after them split along idx's rows, with eager's draws and
+    results."""
+    with memory_cap(1 << 45):
+        expected = sampled_steps(kind, "cpu")
+        peak = eager_max_memory_allocated()
+    cap = int(peak * 0.25)
+    with memory_cap(cap), pytest.raises(torch.OutOfMemoryError):
+        sampled_steps(kind, "cpu")
+    torch.lazymem.synchronize()
+    torch_lazymem.reset_stats()
+    with simulated_device(cap):
+        torch.lazymem.reset_peak_memory_stats()
+        got = sampled_steps(kind, "lazymem")
+        lazy_peak = torch.lazymem.max_memory_allocated()
+    text = torch_lazymem.explain(print_it=False)
+    assert lazy_peak <= cap, (lazy_peak, cap, text)
+    assert torch_lazymem.stats()["splits"] >= 1 and "made on the device): batch" in text, text
+    for k, (g, e) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(g, e, msg=lambda m, k=k: f"value {k} (0: the losses): {m}")
+
+
+def gan_steps(dev, steps=2, b=1024):
+    """A GAN (issue 31, item 1): fake = G(z); D's loss on real and fake.detach(), D's step; G's loss
+    through the updated D, G's step — two optimizer steps in one program. Losses and parameters."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(16, 256), nn.LeakyReLU(0.2), nn.Linear(256, 64)).double().to(dev)
+    disc = nn.Sequential(nn.Linear(64, 256), nn.LeakyReLU(0.2), nn.Linear(256, 1)).double().to(dev)
+    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-3, betas=(0.5, 0.999))
+    opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3, betas=(0.5, 0.999))
+    g = torch.Generator().manual_seed(1)
+    real, z = torch.randn(b, 64, generator=g, dtype=D).to(dev), torch.randn(b, 16, generator=g, dtype=D).to(dev)
+    ones, zeros = torch.ones(b, 1, dtype=D).to(dev), torch.zeros(b, 1, dtype=D).to(dev)
+    bce = F.binary_cross_entropy_with_logits
+    losses = []
+    for _ in range(steps):
+        fake = gen(z)
+        loss_d = bce(disc(real), ones) + bce(disc(fake.detach()), zeros)
+        opt_d.zero_grad()
+        loss_d.backward()
+        opt_d.step()
+        loss_g = bce(disc(fake), ones)
+        opt_g.zero_grad()
+        loss_g.backward()
+        opt_g.step()
+        losses += [loss_d.item(), loss_g.item()]
+    return [torch.tensor(losses, dtype=D)] + [p.detach().cpu() for p in [*gen.parameters(), *disc.parameters()]]
+
+
+def check_steps(steps_fn, fraction=0.25):
+    """`steps_fn(dev)` under `fraction` of its eager peak: eager runs out of memory, lazymem splits
+    within the cap with eager's results."""
+    with memory_cap(1 << 45):
+        expected = steps_fn("cpu")
+        peak = eager_max_memory_allocated()
+    cap = int(peak * fraction)
+    with memory_cap(cap), pytest.raises(torch.OutOfMemoryError):
+        steps_fn("cpu")
+    torch.lazymem.synchronize()
+    torch_lazymem.reset_stats()
+    with simulated_device(cap):
+        torch.lazymem.reset_peak_memory_stats()
+        got = steps_fn("lazymem")
+        lazy_peak = torch.lazymem.max_memory_allocated()
+    text = torch_lazymem.explain(print_it=False)
+    assert lazy_peak <= cap, (lazy_peak, cap, text)
+    assert torch_lazymem.stats()["splits"] >= 1, text
+    for k, (g, e) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(g, e, msg=lambda m, k=k: f"value {k} (0: the losses): {m}")
+    return text
+
+
+def test_a_gan_with_two_optimizer_steps_in_one_program():
+    check_steps(gan_steps)
+
+
+def mlp_steps(dev, make_layer=nn.Linear, flush=None, steps=3):
+    """A 64-256-256-10 MLP (its hidden layers made by `make_layer`) trained `steps` AdamW steps on
+    4,096 samples; with `flush`, lazymem's flush threshold cuts each step into pieces of that many
+    ops. Losses, parameters and buffers."""
+    torch.manual_seed(0)
+    m = nn.Sequential(make_layer(64, 256), nn.ReLU(), make_layer(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    m = m.double().to(dev)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4096, 64, generator=g, dtype=D).to(dev), torch.randint(0, 10, (4096,), generator=g).to(dev)
+    if flush and dev == "lazymem":
+        torch_lazymem.set_flush_threshold(flush, 0)
+    try:
+        losses = []
+        for _ in range(steps):
+            loss = F.cross_entropy(m(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    finally:
+        if flush and dev == "lazymem":
+            torch_lazymem.set_flush_threshold(0, 0)
+    return [torch.tensor(losses, dtype=D)] + [p.detach().cpu() for p in m.parameters()] + [b.cpu() for b in m.buffers()]
+
+
+def test_spectral_norm_updates_its_vectors_in_place_at_every_forward():
+    """spectral_norm's power iteration writes u and v in place at every training forward (issue 31,
+    item 5): the step still splits under 25% of eager's peak, and u, v end as eager's."""
+    def spectral(i, o):
+        return nn.utils.parametrizations.spectral_norm(nn.Linear(i, o))
+    check_steps(functools.partial(mlp_steps, make_layer=spectral))
+
+
+def test_a_flush_threshold_that_cuts_the_step_into_pieces_of_seven_ops():
+    """set_flush_threshold(7, 0) materializes every 7 recorded ops (issue 31, item 5): each piece
+    splits on its own under 25% of eager's peak, with eager's results."""
+    check_steps(functools.partial(mlp_steps, flush=7))
