@@ -150,6 +150,7 @@ struct Score {
   size_t barriers = 0;
   size_t batches = 0;   // batches split by some node (each its own loops)
   size_t whole_reads = 0;
+  size_t loop_nodes = 0; // nodes that run per chunk, uploads aside
   bool operator<(const Score& o) const {
     if (held != o.held) return held < o.held;
     if (barriers != o.barriers) return barriers < o.barriers;
@@ -159,6 +160,10 @@ struct Score {
   }
   bool clean() const {
     return barriers == 0 && whole_reads == 0 && batches <= 1;
+  }
+  // Nothing splits: no node runs per chunk (the sources' first guesses feed no op with a rule).
+  bool idle() const {
+    return loop_nodes == 0;
   }
 };
 
@@ -176,6 +181,7 @@ Score score(const Analysis& a) {
     const Node& n = *ni.node;
     s.barriers += ni.barrier;
     if (ni.loop && ni.batch >= 0) loops[a.find(ni.batch)] = 1;
+    s.loop_nodes += ni.loop && !n.upload;
     if (n.upload) {
       if (!n.uses.empty() && !a.bufs[ni.use_buf[0]].place.is_s()) hold(ni.use_buf[0]);
       continue;
@@ -255,8 +261,12 @@ bool place_batch(Analysis& a, const std::vector<Node*>& nodes, const std::vector
   Score best = run();
   const Score at_hints = best;
   const std::string first_at_hints = first_barrier();
-  if (!best.clean()) {
-    stats().batch_conflicts.fetch_add(1, std::memory_order_relaxed);
+  // A first guess that conflicts, or that splits nothing while other sources could (indices drawn on
+  // the device, tried only where they help): search.
+  const bool factory = std::any_of(a.sources.begin(), a.sources.end(),
+                                   [](const Source& s) { return s.kind == Source::kFactory; });
+  if (!best.clean() || (best.idle() && factory)) {
+    if (!best.clean()) stats().batch_conflicts.fetch_add(1, std::memory_order_relaxed);
     // Smallest sources first: flipping a class-weight vector or a support set to none is cheap and
     // clears the conflicts it causes; the large inputs then try their other dims.
     std::vector<size_t> by_size(a.sources.size());

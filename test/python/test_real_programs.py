@@ -166,8 +166,18 @@ def sampled_steps(kind, dev, steps=3, n=4096, b=2048):
     model = model.double().to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(n, 32, generator=g, dtype=D).to(dev), torch.randint(0, 10, (n,), generator=g).to(dev)
-    w = torch.rand(n, generator=g, dtype=D).to(dev)
+    x, y = torch.randn(n, 32, generator=g, dtype=D), torch.randint(0, 10, (n,), generator=g)
+    w = torch.rand(n, generator=g, dtype=D)
+    if kind.endswith("buffers"):  # the dataset is module state (no upload is a source: nothing else splits)
+        data = nn.Module()
+        data.register_buffer("x", x)
+        data.register_buffer("y", y)
+        data.register_buffer("w", w)
+        data.to(dev)
+        x, y, w = data.x, data.y, data.w
+        kind = kind.split()[0]
+    else:
+        x, y, w = x.to(dev), y.to(dev), w.to(dev)
     torch.manual_seed(2)  # eager's and lazymem's generators at the same point of their streams
     losses = []
     for _ in range(steps):
@@ -185,7 +195,7 @@ def sampled_steps(kind, dev, steps=3, n=4096, b=2048):
     return [torch.tensor(losses, dtype=D)] + [p.detach().cpu() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("kind", ["multinomial", "randint", "randperm"])
+@pytest.mark.parametrize("kind", ["multinomial", "randint", "randperm", "multinomial buffers"])
 def test_a_batch_indexed_from_a_dataset_on_the_device(kind):
     """Indices drawn on the device are the batch (issue 31, item 3): under 25% of eager's peak the
     gathers X[idx], Y[idx] and everything after them split along idx's rows, with eager's draws and
@@ -301,3 +311,63 @@ def test_a_flush_threshold_that_cuts_the_step_into_pieces_of_seven_ops():
     """set_flush_threshold(7, 0) materializes every 7 recorded ops (issue 31, item 5): each piece
     splits on its own under 25% of eager's peak, with eager's results."""
     check_steps(functools.partial(mlp_steps, flush=7))
+
+
+def bag_step(dev):
+    """nn.EmbeddingBag(mode="mean") over a flat index tensor with offsets (24 bags of 1-5 indices)."""
+    torch.manual_seed(0)
+    m = nn.EmbeddingBag(100, 16, mode="mean").double().to(dev)
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(1, 6, (24,), generator=g)
+    flat = torch.randint(0, 100, (int(lengths.sum()),), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
+    out = m(flat.to(dev), offsets.to(dev))
+    out.square().sum().backward()
+    return [out.detach().cpu(), m.weight.grad.cpu()]
+
+
+def packed_step(dev):
+    """An LSTM over pack_padded_sequence(..., enforce_sorted=False), unpacked again."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    torch.manual_seed(0)
+    lstm = nn.LSTM(8, 16, batch_first=True).double().to(dev)
+    g = torch.Generator().manual_seed(1)
+    x, lengths = torch.randn(12, 7, 8, generator=g, dtype=D), torch.randint(1, 8, (12,), generator=g)
+    out, _ = lstm(pack_padded_sequence(x.to(dev), lengths, batch_first=True, enforce_sorted=False))
+    y, _ = pad_packed_sequence(out, batch_first=True)
+    y.square().sum().backward()
+    return [y.detach().cpu()] + [p.grad.cpu() for p in lstm.parameters()]
+
+
+def ctc_step(dev):
+    """F.ctc_loss over concatenated targets with tensor lengths."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(20, 10, 6, generator=g, dtype=D).to(dev).requires_grad_()
+    target_lengths = torch.randint(2, 6, (10,), generator=g)
+    targets = torch.randint(1, 6, (int(target_lengths.sum()),), generator=g)
+    loss = F.ctc_loss(logits.log_softmax(2), targets.to(dev), torch.full((10,), 20).to(dev), target_lengths.to(dev))
+    loss.backward()
+    return [loss.detach().cpu(), logits.grad.cpu()]
+
+
+@pytest.mark.parametrize("step, says", [
+    (bag_step, "the first: aten::_embedding_bag"),  # no rule splits bags given by offsets
+    (packed_step, "not split"),  # packed data is time-major with per-step batch sizes: no batch dim
+    (ctc_step, None),  # the lengths are read on the host; the loss runs eagerly on the whole batch
+])
+def test_batches_written_as_offsets_or_packed_run_whole_and_say_so(step, says):
+    """Issue 31, item 4 (README, barrier table): bags given by offsets, packed sequences and CTC over
+    concatenated targets run whole, with eager's results; explain() says why (CTC: an eager op)."""
+    from torch_lazymem.testing import force_chunks
+
+    want = step("cpu")
+    torch_lazymem.reset_stats()
+    with force_chunks(3):
+        got = step("lazymem")
+    if says:
+        assert says in torch_lazymem.explain(print_it=False), torch_lazymem.explain(print_it=False)
+    else:
+        assert torch_lazymem.stats()["ops_eager"] >= 1
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e)
