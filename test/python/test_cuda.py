@@ -13,13 +13,12 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import BACKING
 from torch.autograd.variable import Variable
 
 import torch_lazymem
 from torch_lazymem import _C, _cuda
 from torch_lazymem.testing import force_chunks
-
-from conftest import BACKING
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

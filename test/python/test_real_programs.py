@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from test_split_models import BatchNormResNet
 
 import torch_lazymem
 from torch_lazymem.testing import eager_max_memory_allocated, memory_cap, simulated_device
-from test_split_models import BatchNormResNet
 
 D = torch.float64
 
