@@ -21,7 +21,10 @@ The grammar (tools/program_grammar.py):
   losses   cross entropy (class weights, label smoothing), MSE on a regression head
   loops    loss read before or after backward, two backwards over the halves of the batch before one
            step, clip_grad_norm_, GradScaler, a sync inside the forward, slices of the batch through
-           two towers joined by cat, mixup's x[perm], SGD or AdamW, inference under no_grad
+           two towers joined by cat, mixup's x[perm], SGD or AdamW, inference under no_grad; from a
+           stream of their own (issue 31): the batch drawn on the device from a dataset held there
+           (randint or multinomial, then x[idx], y[idx]), and a second optimizer step in the program
+           (an auxiliary head trained on the output detached, then the loss through the updated head)
 
 Each program prints one of:
   ok        equal to eager (assert_close defaults), measured peak within the cap

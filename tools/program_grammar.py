@@ -45,8 +45,15 @@ class Spec:
     # set_recompute for the lazymem run: None (priced, the default), True, or False (values crossing
     # passes held in host memory: every read of them crosses the boundary).
     recompute: bool | None = None
+    # Issue 31's idioms, from a stream of their own: the batch drawn on the device from a dataset of
+    # twice its rows held there (x[idx], y[idx], idx = randint or multinomial); a second optimizer step
+    # in the same program (a GAN's shape: an auxiliary head trained on the output detached, then the
+    # loss through the updated head into the model, whose step follows).
+    sampled: bool = False
+    two_steps: bool = False
 
-    FEATURES = ("read_before", "halves", "clip", "scaler", "mid_sync", "towers", "mixup", "inplace")
+    FEATURES = ("read_before", "halves", "clip", "scaler", "mid_sync", "towers", "mixup", "inplace", "sampled",
+                "two_steps")
 
     def text(self) -> str:
         flags = [f for f in self.FEATURES if getattr(self, f)]
@@ -86,6 +93,9 @@ def draw(seed: int) -> Spec:
     # So does the choice of a less common activation (whose gradients ATen does not tag pointwise).
     acts = random.Random(seed ^ 0xAC75)
     other_act = acts.choice(OTHER_ACTS) if acts.random() < 0.4 else None
+    # So do issue 31's idioms (a batch drawn on the device, two optimizer steps in one program).
+    idioms = random.Random(seed ^ 0x31D1)
+    sampled, two_steps = idioms.random() < 0.2, idioms.random() < 0.2
     # So does the recompute setting (host memory for values crossing passes in a quarter of programs).
     h = random.Random(seed ^ 0x4057).random()
     recompute = False if h < 0.25 else True if h < 0.35 else None
@@ -102,7 +112,8 @@ def draw(seed: int) -> Spec:
         clip=training and r.random() < 0.3, scaler=training and not halves and r.random() < 0.15,
         mid_sync=r.random() < 0.2, towers=r.random() < 0.2, mixup=r.random() < 0.2,
         cap_fraction=r.uniform(0.05, 1.0), fail_at=r.randint(1, 40) if r.random() < 0.3 else 0,
-        rand_ops=[(min(i, len(layers)), op) for i, op in rand_ops], recompute=recompute)
+        rand_ops=[(min(i, len(layers)), op) for i, op in rand_ops], recompute=recompute, sampled=sampled,
+        two_steps=two_steps and training and not halves)
 
 
 def random_op(name: str, h: torch.Tensor) -> torch.Tensor:
@@ -256,16 +267,26 @@ def run_program(spec: Spec, dev: str) -> list[torch.Tensor]:
     torch.manual_seed(spec.seed)
     base = Net(spec).double()
     model = copy.deepcopy(base).to(dev)
+    classes = base.head.out_features
+    aux = nn.Linear(classes, classes).double().to(dev) if spec.two_steps else None
     torch.manual_seed(spec.seed + 1)  # the device's draws: the same stream on the CPU and lazymem
     model.train(spec.training)
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if spec.optim == "adamw"
            else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     scaler = torch.amp.GradScaler(dev, init_scale=256.0) if spec.scaler else None
+    aux_opt = torch.optim.SGD(aux.parameters(), lr=0.1) if aux is not None else None
     weights = torch.linspace(0.5, 1.5, 5, dtype=D).to(dev)
     g = torch.Generator().manual_seed(spec.seed)
     read: list[torch.Tensor] = []
-    for _ in range(spec.steps if spec.training else 1):
+    if spec.sampled:  # the dataset, held on the device; the draws below come from the device's stream
+        x_all, y_all, _ = (t.to(dev) for t in data(spec, 2 * spec.batch, g))
+        w_all = torch.linspace(0.5, 1.0, 2 * spec.batch, dtype=D).to(dev)
+    for step in range(spec.steps if spec.training else 1):
         x, y, perm = (t.to(dev) for t in data(spec, spec.batch, g))
+        if spec.sampled:
+            idx = (torch.randint(0, 2 * spec.batch, (spec.batch,), device=dev) if step % 2 == 0
+                   else torch.multinomial(w_all, spec.batch, replacement=True))
+            x, y = x_all[idx], y_all[idx]
         if spec.mixup and spec.kind in ("vec", "img", "seq"):
             x = 0.7 * x + 0.3 * x[perm]
         if not spec.training:
@@ -277,7 +298,16 @@ def run_program(spec: Spec, dev: str) -> list[torch.Tensor]:
             h = spec.batch // 2
             parts = [(x[:h], y[:h]), (x[h:], y[h:])]
         for px, py in parts:
-            loss = loss_of(spec, model(px), py, weights) / len(parts)
+            if aux is not None:  # the head's step on the output detached, then the loss through it
+                out = model(px)
+                aux_loss = loss_of(spec, aux(out.detach()), py, weights)
+                aux_opt.zero_grad()
+                aux_loss.backward()
+                aux_opt.step()
+                read.append(aux_loss.detach().cpu())
+                loss = loss_of(spec, aux(out), py, weights) / len(parts)
+            else:
+                loss = loss_of(spec, model(px), py, weights) / len(parts)
             if spec.read_before:
                 read.append(loss.detach().cpu())
             (scaler.scale(loss) if scaler else loss).backward()
@@ -295,4 +325,6 @@ def run_program(spec: Spec, dev: str) -> list[torch.Tensor]:
         opt.zero_grad()
     read += [p.detach().cpu() for p in model.parameters()]
     read += [b.detach().cpu() for b in model.buffers()]
+    if aux is not None:
+        read += [p.detach().cpu() for p in aux.parameters()]
     return read

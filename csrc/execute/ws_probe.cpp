@@ -98,6 +98,13 @@ bool probe_workspace(const Plan& plan) {
   // Measured by the counting allocator (the CPU backing device); a reused plan's keys were probed
   // when it was made.
   if (!backing_device().is_cpu() || plan.reused || !config().workspace_probes.load(std::memory_order_relaxed)) return false;
+  // The probes' operands are device memory beside what the program holds: within the plan's budget
+  // too (a budget no allocator enforces was exceeded here, outside any plan's run). A probe that
+  // does not fit is refused; the real run learns the workspace.
+  struct BudgetLimit {
+    explicit BudgetLimit(int64_t b) { device_counter().set_budget_limit(b); }
+    ~BudgetLimit() { device_counter().set_budget_limit(-1); }
+  } limit(plan.budget);
   Workspace& ws = Workspace::get();
   bool learned = false;
   std::unordered_map<const LazyBuffer*, int32_t> ids;
