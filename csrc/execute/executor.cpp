@@ -478,10 +478,7 @@ ExecOutcome execute(const Plan& plan, c10::ArrayRef<Node*> random_nodes) {
   std::optional<DevicePeakWindow> device_peak;
   if (!backing_device().is_cpu()) device_peak.emplace(backing_device());
   // On the CPU backing the counting allocator holds the run to the plan's budget (memory.h).
-  struct BudgetLimit {
-    explicit BudgetLimit(int64_t b) { device_counter().set_budget_limit(b); }
-    ~BudgetLimit() { device_counter().set_budget_limit(-1); }
-  } limit(backing_device().is_cpu() ? plan.budget : -1);
+  ScopedBudgetLimit limit(backing_device().is_cpu() ? plan.budget : -1);
   ExecOutcome out = Walker(plan, device_peak ? &*device_peak : nullptr).run();
   if (!out.oom) draws.finish();
   device_counter().stop_injection();

@@ -58,6 +58,14 @@ class MemoryCounter {
 };
 
 MemoryCounter& device_counter(); // lazymem's backing device (the simulated GPU)
+
+// The device counter held to a plan's budget for a scope (-1: no limit), then released.
+struct ScopedBudgetLimit {
+  explicit ScopedBudgetLimit(int64_t bytes) { device_counter().set_budget_limit(bytes); }
+  ~ScopedBudgetLimit() { device_counter().set_budget_limit(-1); }
+  ScopedBudgetLimit(const ScopedBudgetLimit&) = delete;
+  ScopedBudgetLimit& operator=(const ScopedBudgetLimit&) = delete;
+};
 MemoryCounter& eager_counter();  // memory_cap() for plain eager code
 // Host memory lazymem holds for the device (values assembled or kept there, random streams, the
 // undo log): uncapped, counted so the two memories are told apart (storage_domain).

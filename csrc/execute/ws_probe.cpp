@@ -101,10 +101,7 @@ bool probe_workspace(const Plan& plan) {
   // The probes' operands are device memory beside what the program holds: within the plan's budget
   // too (a budget no allocator enforces was exceeded here, outside any plan's run). A probe that
   // does not fit is refused; the real run learns the workspace.
-  struct BudgetLimit {
-    explicit BudgetLimit(int64_t b) { device_counter().set_budget_limit(b); }
-    ~BudgetLimit() { device_counter().set_budget_limit(-1); }
-  } limit(plan.budget);
+  ScopedBudgetLimit limit(plan.budget);
   Workspace& ws = Workspace::get();
   bool learned = false;
   std::unordered_map<const LazyBuffer*, int32_t> ids;

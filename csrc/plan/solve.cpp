@@ -78,49 +78,36 @@ std::vector<Source> collect_sources(Analysis& a) {
     seen[b] = 1;
     out.push_back(std::move(s));
   }
-  // Factories whose sizes may carry a batch: arange(B) made on the device (transformers' masks index
-  // `padding_mask[batch_idx, kv_idx]` with batch_idx = arange(B)). Not a batch unless that helps.
+  // Values made on the device whose rows may be a batch, not one unless that helps (hint: none):
+  // - arange(B) (transformers' masks index `padding_mask[batch_idx, kv_idx]` with batch_idx = arange(B));
+  // - indices drawn there (multinomial(w, B), randint(0, N, (B,)), randperm(N)): a sampled step gathers
+  //   its batch X[idx] from a dataset held on the device, so idx's rows are the batch and the gathers
+  //   are batch-sharded by it; the drawing node runs whole where its draws cannot be split
+  //   (multinomial) and its output is read by rows. (Mixup's x[perm] must not make perm the batch.)
   for (int32_t i : a.order) {
     const Node& n = *a.nodes[i].node;
-    if (n.uses.size() != 1 || !n.uses[0].full_overwrite() || n.op.schema().name() != "aten::arange" ||
-        n.op.schema().overload_name() != "start_out") {
-      continue;
-    }
-    const int32_t b = a.nodes[i].use_buf[0];
-    if (seen[b] || a.bufs[b].buf->batch_hint != LazyBuffer::BatchHint::kAuto) continue;
-    Source s;
-    s.buf = b;
-    s.kind = Source::kFactory;
-    add_dims(s, n.uses[0].ref.meta, a.bufs[b].buf->nbytes.load());
-    s.hint = -1;
-    if (s.layouts.empty()) continue;
-    seen[b] = 1;
-    out.push_back(std::move(s));
-  }
-  // Indices drawn on the device (torch.multinomial(w, B), torch.randint(0, N, (B,)), randperm(N)):
-  // a sampled step gathers its batch X[idx] from a dataset held on the device, so idx's rows are the
-  // batch, and the gathers are batch-sharded by it. The drawing node runs whole where its draws
-  // cannot be split (multinomial), and its output is read by rows.
-  for (int32_t i : a.order) {
-    const Node& n = *a.nodes[i].node;
-    const std::string& name = n.op.schema().name();
+    const c10::FunctionSchema& schema = n.op.schema();
+    const std::string& name = schema.name();
     int32_t b = -1;
     const TensorMeta* m = nullptr;
+    bool index = true;
     if (name == "aten::multinomial" && !n.defs.empty() && n.defs[0].ret == 0) {
       b = a.nodes[i].def_buf[0];
       m = &n.defs[0].ref.meta;
-    } else if ((name == "aten::random_" || name == "aten::randperm" || name == "aten::randint") && !n.uses.empty() &&
-               n.uses[0].full_overwrite()) {
+    } else if (!n.uses.empty() && n.uses[0].full_overwrite() &&
+               (name == "aten::random_" || name == "aten::randperm" || name == "aten::randint" ||
+                (name == "aten::arange" && schema.overload_name() == "start_out" && n.uses.size() == 1))) {
       b = a.nodes[i].use_buf[0];
       m = &n.uses[0].ref.meta;
+      index = name != "aten::arange";
     }
-    if (b < 0 || seen[b] || !c10::isIntegralType(m->dtype, /*includeBool=*/false) || m->sizes.size() != 1) continue;
-    if (a.bufs[b].buf->batch_hint != LazyBuffer::BatchHint::kAuto) continue;
+    if (b < 0 || seen[b] || a.bufs[b].buf->batch_hint != LazyBuffer::BatchHint::kAuto) continue;
+    if (index && (!c10::isIntegralType(m->dtype, /*includeBool=*/false) || m->sizes.size() != 1)) continue;
     Source s;
     s.buf = b;
     s.kind = Source::kFactory;
     add_dims(s, *m, a.bufs[b].buf->nbytes.load());
-    s.hint = -1; // not a batch unless that helps (mixup's x[perm] permutes the batch: perm is no batch)
+    s.hint = -1;
     if (s.layouts.empty()) continue;
     seen[b] = 1;
     out.push_back(std::move(s));

@@ -49,25 +49,7 @@ def train(make_model, batch, loss_fn, dev, steps=3):
 
 @quiet
 def check(make_model, batch, loss_fn, fraction=0.3):
-    run = functools.partial(train, make_model, batch, loss_fn)
-    with memory_cap(1 << 45):
-        expected = run("cpu")
-        peak = eager_max_memory_allocated()
-    cap = int(peak * fraction)
-    with memory_cap(cap), pytest.raises(torch.OutOfMemoryError):
-        run("cpu")
-    torch.lazymem.synchronize()
-    torch_lazymem.reset_stats()
-    with simulated_device(cap):
-        torch.lazymem.reset_peak_memory_stats()
-        got = run("lazymem")
-        torch.lazymem.synchronize()
-        lazy_peak = torch.lazymem.max_memory_allocated()
-    text = torch_lazymem.explain(print_it=False)
-    assert lazy_peak <= cap, (lazy_peak, cap, text)
-    assert torch_lazymem.stats()["splits"] >= 1, text
-    for k, (g, e) in enumerate(zip(got, expected)):
-        torch.testing.assert_close(g, e, msg=lambda m, k=k: f"value {k} (0: the losses): {m}")
+    check_steps(functools.partial(train, make_model, batch, loss_fn), fraction)
 
 
 def ce(model, b):
@@ -247,8 +229,8 @@ def gan_steps(dev, steps=2, b=1024):
 
 
 def check_steps(steps_fn, fraction=0.25):
-    """`steps_fn(dev)` under `fraction` of its eager peak: eager runs out of memory, lazymem splits
-    within the cap with eager's results."""
+    """`steps_fn(dev)` (its losses, parameters and buffers) under `fraction` of its eager peak: eager
+    runs out of memory, lazymem splits within the cap with eager's results. Returns explain()."""
     with memory_cap(1 << 45):
         expected = steps_fn("cpu")
         peak = eager_max_memory_allocated()

@@ -112,3 +112,32 @@ def test_mark_batch_errors():
         torch_lazymem.mark_batch(t, 1)
     with pytest.raises(ValueError, match="does not cover its storage"):
         torch_lazymem.mark_batch(torch.ones(6, 4, device="lazymem")[:3], 0)
+
+
+@pytest.mark.parametrize("act", [
+    lambda t: F.leaky_relu(t, 0.2), F.hardtanh, F.elu, F.softplus, F.hardswish, F.mish, F.hardsigmoid,
+    F.softshrink, F.hardshrink, lambda t: F.rrelu(t, training=False), lambda t: F.hardswish(t.clone(), inplace=True),
+], ids=["leaky_relu", "hardtanh", "elu", "softplus", "hardswish", "mish", "hardsigmoid", "softshrink", "hardshrink",
+        "rrelu_eval", "hardswish_"])
+def test_activations_without_the_pointwise_tag_split_with_their_gradients(act):
+    """Activations and gradients ATen does not tag pointwise (leaky_relu_backward, hardswish, ...) split
+    along the batch (7 rows in 3 chunks, the last ragged) with no barrier; eager's values and gradients."""
+    torch.manual_seed(0)
+    x, w = torch.randn(7, 5, dtype=torch.float64) * 3, torch.randn(7, 5, dtype=torch.float64)
+
+    def run(t, weight):
+        t = t.requires_grad_()
+        out = act(t * 1.0)
+        (out * weight).sum().backward()
+        return out.detach().cpu(), t.grad.cpu()
+
+    want = run(x.clone(), w)
+    torch_lazymem.reset_stats()
+    with force_chunks(3):
+        got = run(x.to("lazymem"), w.to("lazymem"))
+    stats, text = torch_lazymem.stats(), torch_lazymem.explain(print_it=False)
+    # (rrelu's forward in eval mode is a barrier of its own: README's barrier table; its gradient splits)
+    barriers = [line for line in text.splitlines() if "barrier:" in line and "rrelu_with_noise " not in line]
+    assert stats["splits"] >= 1 and not barriers, text
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e)
