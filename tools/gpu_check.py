@@ -351,7 +351,9 @@ def lazy_cap(model: nn.Module, opt: torch.optim.Optimizer) -> Result:
                             "reserved": torch.cuda.max_memory_reserved(),
                             "allocated": torch.cuda.max_memory_allocated(), "predicted": predicted,
                             "budget": lazymem.memory_budget(), "peak": peak, "chunks": chunks,
-                            "oom_retries": lazymem.stats()["oom_retries"], "first_retries": first_retries}
+                            "oom_retries": lazymem.stats()["oom_retries"], "first_retries": first_retries,
+                            "caps": lazymem.stats()["allocator_caps"],
+                            "fraction_after": torch.cuda.get_per_process_memory_fraction()}
     return runs
 
 
@@ -364,9 +366,13 @@ def judge_cap(eager: Result, lazy: Result) -> tuple[str, Result]:
             f"{run['step_s']:.3g} s/step (first {run['first_s']:.3g} s), {per_sample:.2f}x eager per sample, "
             f"reserved {run['reserved'] / GiB:.2f} of {CAP / GiB:g} GiB (budget {run['budget'] / GiB:.2f}), "
             f"allocated {run['allocated'] / GiB:.2f} GiB vs predicted {run['predicted'] / GiB:.2f}, "
-            f"{run['chunks']} chunks, {run['oom_retries']} retries ({run['first_retries']} in the first step)")
-    # The goal: what the caching allocator reserves stays within the budget at every step.
-    within = all(r.get("reserved", 0) <= r.get("budget", 0) for r in lazy.values() if "error" not in r)
+            f"{run['chunks']} chunks, {run['oom_retries']} retries ({run['first_retries']} in the first step), "
+            f"allocator capped for {run['caps']} runs")
+    # The goal: what the caching allocator reserves stays within the budget at every step, and
+    # the user's fraction is theirs again after each run.
+    fraction = CAP / torch.cuda.get_device_properties(0).total_memory
+    within = all(r.get("reserved", 0) <= r.get("budget", 0) and abs(r.get("fraction_after", 0) - fraction) < 1e-9
+                 for r in lazy.values() if "error" not in r)
     return ok(len(lazy) == 3 and not any("error" in r for r in lazy.values()) and within, figures)
 
 

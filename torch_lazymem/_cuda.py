@@ -1,5 +1,6 @@
-"""lazymem beside the user's own CUDA: eager CUDA autograd keeps working, and the default budget
-sees the CUDA allocator's per-process memory fraction.
+"""lazymem beside the user's own CUDA: eager CUDA autograd keeps working, the default budget sees
+the CUDA allocator's per-process memory fraction, and the allocator holds lazymem's runs to the
+budget (the fraction lowered for a run's duration, then put back).
 
 Autograd (pytorch issue 161129).
 
@@ -60,6 +61,13 @@ def _read_memory_fraction(device: torch.device) -> None:
     _C._set_device_memory_fraction(index, float(torch.cuda.get_per_process_memory_fraction(index)))
 
 
+def _set_allocator_fraction(device: torch.device, fraction: float) -> None:
+    """Called by the core around a plan's run (csrc/execute/memory.h ScopedAllocatorCap): the
+    allocator's own setter, not the wrapper below, so the user's fraction stays what they set."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch._C._cuda_setMemoryFraction(float(fraction), index)
+
+
 def _wrap_set_fraction() -> None:
     """torch.cuda.set_per_process_memory_fraction also tells the core (the budget's cap)."""
     original = torch.cuda.memory.set_per_process_memory_fraction
@@ -85,6 +93,8 @@ def install() -> None:
         return
     if hasattr(torch.cuda, "get_per_process_memory_fraction"):
         _C._set_backing_initialized_callback(_read_memory_fraction)
+    if hasattr(torch._C, "_cuda_setMemoryFraction"):
+        _C._set_allocator_fraction_callback(_set_allocator_fraction)
     _wrap_set_fraction()
     engine = Variable._execution_engine
     if not getattr(engine, "_lazymem", False):

@@ -47,6 +47,10 @@ struct FlushHooks {
   // bindings: reads the CUDA allocator's per-process memory fraction, which has no C++ interface
   // outside the CUDA build).
   std::function<void(c10::Device)> backing_initialized;
+  // Sets the CUDA caching allocator's per-process memory fraction of a device without changing what
+  // the user set (installed by the Python bindings, for the same reason; execute/memory.h's
+  // ScopedAllocatorCap).
+  std::function<void(c10::Device, double fraction)> set_allocator_fraction;
 };
 FlushHooks& flush_hooks();
 inline void flush_until(uint64_t seq) {

@@ -1,6 +1,7 @@
 // execute: counting CPU allocator and memory counters.
 #include "execute/memory.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -332,7 +333,7 @@ int64_t memory_budget() {
     if (fraction < 1.0) {
       can_give = std::min(can_give, static_cast<int64_t>(fraction * static_cast<double>(total)) - allocated);
     }
-    return with_margin(std::max<int64_t>(0, can_give) + resident_bytes());
+    return with_margin(std::max<int64_t>(0, can_give) + lazymem_device_bytes());
   } catch (const c10::Error&) {
   }
 #endif
@@ -348,7 +349,8 @@ bool budget_enforced() {
 
 int64_t plan_target(int64_t budget) {
   if (budget < 0 || backing_device().is_cpu()) return budget;
-  return budget - budget / 10;
+  constexpr int64_t kSegmentSlack = int64_t{22} << 20; // one 20 MiB large-pool and one 2 MiB small-pool segment
+  return std::max<int64_t>(0, budget - std::max(budget / 10, kSegmentSlack));
 }
 
 int64_t release_cached_blocks(int64_t headroom) {
@@ -373,8 +375,71 @@ void set_device_memory_fraction(int64_t index, double fraction) {
   g_fraction[index].store(fraction, std::memory_order_relaxed);
 }
 
+namespace {
+std::atomic<int64_t> g_library_bytes{0};
+
+int64_t allocated_on(c10::Device dev) {
+#if LAZYMEM_TORCH_AT_LEAST(2, 9)
+  return device_stats(dev).allocated_bytes[kAllPools].current;
+#else
+  (void)dev;
+  return resident_bytes();
+#endif
+}
+} // namespace
+
+int64_t library_bytes() {
+  return g_library_bytes.load(std::memory_order_relaxed);
+}
+
+int64_t lazymem_device_bytes() {
+  return resident_bytes() + library_bytes();
+}
+
+ScopedAllocatorCap::ScopedAllocatorCap(int64_t budget) {
+  const c10::Device dev = backing_device();
+  if (dev.is_cpu()) return;
+  device_ = dev;
+  try {
+    const int64_t allocated = allocated_on(dev);
+    // Not lazymem's: what the process holds beyond lazymem's values and workspaces.
+    unheld_before_ = allocated - resident_bytes();
+    if (budget < 0 || !flush_hooks().set_allocator_fraction) return;
+#if LAZYMEM_TORCH_AT_LEAST(2, 9)
+    const int64_t total = static_cast<int64_t>(c10::getDeviceAllocator(dev.type())->getMemoryInfo(dev.index()).second);
+    if (total <= 0) return;
+    const int64_t others = std::max<int64_t>(0, unheld_before_ - library_bytes());
+    const double user = device_memory_fraction(dev.index());
+    const double fraction = static_cast<double>(others + budget) / static_cast<double>(total);
+    if (fraction >= user) return; // the user's cap is the tighter one
+    flush_hooks().set_allocator_fraction(dev, fraction);
+    fraction_ = fraction;
+    restore_ = user;
+    stats().allocator_caps.fetch_add(1, std::memory_order_relaxed);
+#else
+    (void)budget;
+#endif
+  } catch (const c10::Error&) {
+  }
+}
+
+ScopedAllocatorCap::~ScopedAllocatorCap() {
+  if (device_.is_cpu()) return;
+  try {
+    if (fraction_ > 0.0) flush_hooks().set_allocator_fraction(device_, restore_);
+    // What the run left allocated beyond lazymem's values was made by its kernels and kept by their
+    // libraries (cuBLAS's workspace per stream, first made by the first matmul): lazymem's from now
+    // on. Never more than what lazymem's values leave of the allocated bytes (the user may free
+    // theirs meanwhile, and torch may clear the workspaces).
+    const int64_t unheld = allocated_on(device_) - resident_bytes();
+    int64_t lib = library_bytes() + std::max<int64_t>(0, unheld - unheld_before_);
+    g_library_bytes.store(std::clamp<int64_t>(lib, 0, std::max<int64_t>(0, unheld)), std::memory_order_relaxed);
+  } catch (...) {
+  }
+}
+
 DevicePeakWindow::DevicePeakWindow(c10::Device device) : device_(device) {
-  const int64_t resident = resident_bytes();
+  const int64_t resident = lazymem_device_bytes();
   others_ = allocated() - resident;
   peak_before_ = process_peak();
   seen_ = resident;

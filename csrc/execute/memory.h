@@ -114,10 +114,11 @@ int64_t memory_budget();
 // would stop a plan from running over it, so a plan predicted over the budget is refused instead.
 bool budget_enforced();
 // What a plan may allocate at its peak under `budget` (-1: no budget). On a CUDA-like backing device,
-// 90% of it: the caching allocator reserves more than it hands out (2 MiB-rounded segments, cached
-// blocks of other sizes) — tools/gpu_check.py's capped runs reserved up to 1.10x their allocated
-// peak — and torch.cuda.max_memory_reserved() is what must stay within the budget. The CPU's
-// counting allocator has no such overhead.
+// the budget less max(10%, 22 MiB): the caching allocator reserves more than it hands out — a block
+// of 1 to 10 MiB takes a 20 MiB segment, a smaller one a 2 MiB segment, blocks cached for other sizes
+// (tools/gpu_check.py's capped runs reserved up to 1.14x their allocated peak) — and
+// torch.cuda.max_memory_reserved() is what must stay within the budget (ScopedAllocatorCap holds it
+// there). The CPU's counting allocator has no such overhead.
 int64_t plan_target(int64_t budget);
 // Before a new plan runs on a CUDA-like device: when the caching allocator holds more cached free
 // bytes than the plan leaves of its budget (`headroom`), they go back to the device (emptyCache).
@@ -129,6 +130,37 @@ int64_t release_cached_blocks(int64_t headroom);
 // Python bindings read it at first use and whenever torch.cuda.set_per_process_memory_fraction
 // changes it (the CUDA allocator's own interface is outside the CPU build).
 void set_device_memory_fraction(int64_t index, double fraction);
+// While a plan runs on a CUDA-like backing device, the caching allocator itself holds the process to
+// the budget: its per-process memory fraction is lowered to what the process's other tensors hold
+// (allocated, not lazymem's) plus `budget`, and the user's fraction is put back after. (It also
+// measures library_bytes() around the run.) The plan
+// allocates at most plan_target(budget); what the allocator reserves beyond that (segments rounded
+// up, blocks split and cached for other sizes) is its own fragmentation, and at the cap it first
+// returns its cached free segments and only then raises out of memory, which the run meets like any
+// other (smaller chunks, a new plan). So torch.cuda.max_memory_reserved() stays within the budget
+// on every step, the first one included. Nothing changes on the CPU, without a budget, or when the
+// user's own fraction is already the tighter cap. Other threads' CUDA allocations during the run are
+// held to the same cap.
+class ScopedAllocatorCap {
+ public:
+  explicit ScopedAllocatorCap(int64_t budget);
+  ~ScopedAllocatorCap();
+  ScopedAllocatorCap(const ScopedAllocatorCap&) = delete;
+  ScopedAllocatorCap& operator=(const ScopedAllocatorCap&) = delete;
+  double fraction() const { return fraction_; } // the fraction set for the scope (0: none)
+
+ private:
+  c10::Device device_{c10::kCPU};
+  int64_t unheld_before_ = 0;
+  double fraction_ = 0.0;
+  double restore_ = 1.0;
+};
+// Device bytes lazymem's runs left allocated beyond its values: workspaces its kernels made and their
+// libraries keep (cuBLAS's per stream). Measured around each run on a CUDA-like device; lazymem's,
+// like its values: in its budget, its cap and its peak. 0 on the CPU.
+int64_t library_bytes();
+// What lazymem holds on a CUDA-like backing device: its values (resident_bytes()) and library_bytes().
+int64_t lazymem_device_bytes();
 // lazymem's peak bytes on a CUDA-like backing device during one execution, resident values included,
 // from the caching allocator's allocated-bytes statistics (lazymem's own allocations and its kernels'
 // go through it): exact when the execution sets the process's peak — a training step usually does —

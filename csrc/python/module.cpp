@@ -286,6 +286,19 @@ PYBIND11_MODULE(_C, m) {
       }
     };
   });
+  m.def("_set_allocator_fraction_callback", [](py::object fn) {
+    static py::object* callback = new py::object(); // never destroyed: called until exit
+    *callback = fn;
+    flush_hooks().set_allocator_fraction = [](c10::Device d, double fraction) {
+      if (!Py_IsInitialized()) return;
+      py::gil_scoped_acquire gil;
+      try {
+        (*callback)(py::cast(d), fraction);
+      } catch (py::error_already_set& e) {
+        e.discard_as_unraisable("torch_lazymem: setting the CUDA allocator's memory fraction");
+      }
+    };
+  });
   m.def("_set_progress_after_seconds", [](double s) { config().progress_after_seconds = s; });
   m.def("_progress_after_seconds", [] { return config().progress_after_seconds.load(); });
   m.def("_fail_allocation", [](int64_t n) {

@@ -50,7 +50,7 @@ const bool g_hooks_installed = [] {
 }();
 
 int64_t device_bytes_held() {
-  return backing_device().is_cpu() ? device_counter().allocated() : resident_bytes();
+  return backing_device().is_cpu() ? device_counter().allocated() : lazymem_device_bytes();
 }
 
 void record_stats(const Plan& plan, const ExecOutcome& out) {
@@ -230,7 +230,11 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   for (const auto& n : seg.nodes) {
     if (n->random && !n->drawn && rng_form_draws(n->rng_form)) random_nodes.push_back(n.get());
   }
-  ExecOutcome out = execute(plan, random_nodes);
+  ExecOutcome out;
+  {
+    ScopedAllocatorCap cap(budget); // the caching allocator holds the run to the budget (CUDA)
+    out = execute(plan, random_nodes);
+  }
   // A loop that ran out of memory finished with smaller chunks: so does the plan next time.
   for (auto [stage, chunk] : out.smaller_chunks) plan_learned_chunk(plan.template_id, stage, chunk);
   // Its nodes' times are measured now: the next plan of the program prices recomputing.
