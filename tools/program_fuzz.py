@@ -24,7 +24,9 @@ The grammar (tools/program_grammar.py):
            two towers joined by cat, mixup's x[perm], SGD or AdamW, inference under no_grad; from a
            stream of their own (issue 31): the batch drawn on the device from a dataset held there
            (randint or multinomial, then x[idx], y[idx]), and a second optimizer step in the program
-           (an auxiliary head trained on the output detached, then the loss through the updated head)
+           (an auxiliary head trained on the output detached, then the loss through the updated head),
+           and a codebook of 2,048 rows read by softmax over it before the head (a parameter whose
+           optimizer temporaries may fit only in blocks of its rows)
 
 Each program prints one of:
   ok        equal to eager (assert_close defaults), measured peak within the cap
@@ -42,6 +44,9 @@ Each program prints one of:
 A bug prints its seed and the program's minimal form (features removed while it still fails).
 Exit status 1 on any bug. Programs with random ops are compared with eager like any other: with the
 same seed, a split program draws eager's numbers (DESIGN.md §7 RNG).
+
+PROGRAM_FUZZ_WITHOUT=wide,... draws each seed without those features: a seed that found a bug before
+a feature joined the grammar replays the program that found it (test_program_fuzz.py does).
 
 Programs run in worker processes (tools/_workers.py), --jobs at once, each worker taking every
 jobs-th seed in order (a program runs after the ones before it in its worker, with what they taught
@@ -167,7 +172,8 @@ def check(spec: Spec) -> dict:
         torch_lazymem.set_recompute(previous)
         torch_lazymem.set_memory_budget(None)
     stats = torch_lazymem.stats()
-    result.update(peak=lazy_peak, split=stats["splits"] > 0, retries=stats["oom_retries"])
+    result.update(peak=lazy_peak, split=stats["splits"] > 0, retries=stats["oom_retries"],
+                  row_loops=stats["row_loops"] > 0)
     if lazy_peak > cap:
         return dict(result, status="OVER", detail=f"measured {lazy_peak} > cap {cap}")
     try:
@@ -300,8 +306,10 @@ def report(results: list[dict], seconds: float) -> int:
     causes = collections.Counter(r.get("cause") for r in results if r["status"] == "oom")
     split = sum(1 for r in results if r.get("split"))
     retried = sum(1 for r in results if r.get("retries"))
+    rows = sum(1 for r in results if r.get("row_loops"))
     print(f"programs run      {len(results)}  ({seconds:.0f} s)")
-    print(f"  ok              {counts['ok']}  (split {split}, with an out-of-memory retry {retried})")
+    print(f"  ok              {counts['ok']}  (split {split}, with an out-of-memory retry {retried}, "
+          f"in blocks of a tensor's rows {rows})")
     print(f"  out of memory   {counts['oom']}  (unsplittable {causes['unsplittable']}, barrier {causes['barrier']}, "
           f"torn in-place update {causes['torn']}, other {causes['other']})")
     for b in BUGS:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import random
 
 import torch
@@ -51,9 +52,12 @@ class Spec:
     # loss through the updated head into the model, whose step follows).
     sampled: bool = False
     two_steps: bool = False
+    # A codebook of 2,048 rows (h + softmax(h E^T) E before the head): a parameter that dominates what
+    # the step holds, whose optimizer temporaries may fit only in blocks of its rows (issue 31 item 2).
+    wide: bool = False
 
     FEATURES = ("read_before", "halves", "clip", "scaler", "mid_sync", "towers", "mixup", "inplace", "sampled",
-                "two_steps")
+                "two_steps", "wide")
 
     def text(self) -> str:
         flags = [f for f in self.FEATURES if getattr(self, f)]
@@ -96,6 +100,7 @@ def draw(seed: int) -> Spec:
     # So do issue 31's idioms (a batch drawn on the device, two optimizer steps in one program).
     idioms = random.Random(seed ^ 0x31D1)
     sampled, two_steps = idioms.random() < 0.2, idioms.random() < 0.2
+    wide = idioms.random() < 0.25
     # So does the recompute setting (host memory for values crossing passes in a quarter of programs).
     h = random.Random(seed ^ 0x4057).random()
     recompute = False if h < 0.25 else True if h < 0.35 else None
@@ -104,7 +109,7 @@ def draw(seed: int) -> Spec:
     training = r.random() < 0.8
     layers = [r.choice(LAYERS[kind]) for _ in range(r.randint(1, 4))]
     halves = training and r.random() < 0.2
-    return Spec(
+    spec = Spec(
         seed=seed, kind=kind, batch=r.choice([24, 48, 96, 200, 384]) if kind != "img" else r.choice([16, 32, 64]),
         width=r.choice([8, 16, 32]), layers=layers, act=pick(r.choice(["relu", "gelu", "tanh", "silu"]), other_act),
         inplace=r.random() < 0.3, loss=r.choice(["ce", "ce_weighted", "ce_smooth", "mse"]), training=training,
@@ -113,7 +118,12 @@ def draw(seed: int) -> Spec:
         mid_sync=r.random() < 0.2, towers=r.random() < 0.2, mixup=r.random() < 0.2,
         cap_fraction=r.uniform(0.05, 1.0), fail_at=r.randint(1, 40) if r.random() < 0.3 else 0,
         rand_ops=[(min(i, len(layers)), op) for i, op in rand_ops], recompute=recompute, sampled=sampled,
-        two_steps=two_steps and training and not halves)
+        two_steps=two_steps and training and not halves, wide=wide)
+    # Features a replay leaves out (PROGRAM_FUZZ_WITHOUT=wide,...): a seed that found a bug before a
+    # feature joined the grammar replays the program that found it.
+    for feature in filter(None, os.environ.get("PROGRAM_FUZZ_WITHOUT", "").split(",")):
+        setattr(spec, feature, False)
+    return spec
 
 
 def random_op(name: str, h: torch.Tensor) -> torch.Tensor:
@@ -210,6 +220,7 @@ class Net(nn.Module):
             self.stem = nn.Linear(6, w)
         self.blocks = nn.ModuleList(Block(spec, name, w) for name in spec.layers)
         self.tower = nn.Linear(w, w) if spec.towers else None
+        self.codebook = nn.Parameter(torch.randn(2048, w) * 0.1) if spec.wide else None
         self.head = nn.Linear(w, 1 if spec.loss == "mse" else classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -234,6 +245,8 @@ class Net(nn.Module):
         if self.tower is not None:
             k = h.shape[0] // 3
             h = torch.cat([self.tower(h[:k]).tanh(), h[k:] * 0.5])
+        if self.codebook is not None:
+            h = h + torch.softmax(h @ self.codebook.t(), -1) @ self.codebook
         return self.head(h)
 
 

@@ -44,6 +44,7 @@ std::map<std::string, int64_t> Stats::snapshot() const {
       {"random_stream_bytes", ld(random_stream_bytes)},
       {"oom_retries", ld(oom_retries)},
       {"allocator_caps", ld(allocator_caps)},
+      {"row_loops", ld(row_loops)},
       {"plan_ns", ld(plan_ns)},
       {"nodes_planned", ld(nodes_planned)},
       {"plans_reused", ld(plans_reused)},
@@ -88,6 +89,7 @@ void Stats::reset() {
   random_stream_bytes = 0;
   oom_retries = 0;
   allocator_caps = 0;
+  row_loops = 0;
   plan_ns = 0;
   nodes_planned = 0;
   plans_reused = 0;

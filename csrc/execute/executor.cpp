@@ -374,13 +374,24 @@ class Walker {
     return false;
   }
 
+  // Whether use k writes rows of the value from their old contents: an in-place update, or an out=
+  // argument the node also reads (mul.out(p, c, out=p), what a per-tensor _foreach_mul_ records).
+  static bool reads_what_it_writes(const Node& n, size_t k) {
+    const Use& u = n.uses[k];
+    if (!u.write) return false;
+    if (!u.write_only) return true;
+    for (size_t j = 0; j < n.uses.size(); ++j) {
+      if (j != k && n.uses[j].ref.buf == u.ref.buf && !n.uses[j].write_only) return true;
+    }
+    return false;
+  }
+
   static bool redoable_node(const PlannedNode& pn) {
     const Node& n = *pn.node;
     if (n.effectful || draws_from_generator(pn)) return false;
     if (idempotent_in_place(pn.op.schema())) return true;
     for (size_t k = 0; k < n.uses.size() && k < pn.uses.size(); ++k) {
-      const Use& u = n.uses[k];
-      if (u.write && !u.write_only && pn.uses[k].bind == Bind::kNarrow) return false;
+      if (reads_what_it_writes(n, k) && pn.uses[k].bind == Bind::kNarrow) return false;
     }
     return true;
   }
@@ -393,7 +404,7 @@ class Walker {
     std::vector<size_t> out;
     for (size_t k = 0; k < n.uses.size() && k < pn.uses.size(); ++k) {
       const Use& u = n.uses[k];
-      if (!u.write || u.write_only || pn.uses[k].bind != Bind::kNarrow) continue;
+      if (!reads_what_it_writes(n, k) || pn.uses[k].bind != Bind::kNarrow) continue;
       const LazyBuffer* b = u.ref.buf.get();
       bool own = false;
       for (const FullStore& f : st.stores) own = own || f.buf == b;

@@ -73,6 +73,10 @@ RuleEntry lookup(const c10::OperatorHandle& op) {
 
 } // namespace
 
+bool is_pointwise_op(const c10::OperatorHandle& op) {
+  return functional_is_pointwise(op);
+}
+
 const char* reduce_name(Reduce r) {
   switch (r) {
     case Reduce::kSum:

@@ -266,5 +266,7 @@ void register_placement_rules(const char* family, std::initializer_list<const ch
                               bool outer_aware = false);
 // Ops tagged pointwise in native_functions.yaml (or whose functional form is) get `fn` by default.
 void register_pointwise_default(PlaceRule fn, bool outer_aware = false);
+// Whether `op` is tagged pointwise, or is the in-place or out= form of an op that is.
+bool is_pointwise_op(const c10::OperatorHandle& op);
 
 } // namespace lazymem

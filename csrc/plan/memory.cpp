@@ -1,5 +1,6 @@
 // plan: the memory model.
 #include "plan/memory.h"
+#include "plan/rows.h"
 
 #include <algorithm>
 #include <atomic>
@@ -360,6 +361,10 @@ ChunkChoice choose_chunks(Plan& plan, int64_t budget, int64_t forced, std::vecto
       }
     }
     if (!biggest) {
+      // Element-wise runs of a whole stage over one tensor's rows that do not fit (an optimizer
+      // step's per-tensor chain, even one tensor at a time): in blocks of rows (plan/rows.h), sized
+      // in the next round.
+      if (forced <= 0 && budget >= 0 && block_rows(plan, model, budget)) continue;
       std::ostringstream os;
       os << "no chunk size fits the budget of " << format_bytes(budget);
       if (where && where->node) {

@@ -13,7 +13,7 @@ void note_split(Plan& plan, const Analysis& a) {
   int64_t loops = 0, chunks = 0;
   std::vector<std::pair<int32_t, int64_t>> batches; // (batch, rows) in order of first loop
   for (const Stage& st : plan.stages) {
-    if (!st.loop) continue;
+    if (!st.loop || st.tensor_rows) continue;
     ++loops;
     chunks = std::max<int64_t>(chunks, st.chunks());
     bool seen = false;

@@ -196,7 +196,11 @@ std::string Plan::to_string(bool nodes) const {
       show_transfers();
     } else {
       os << "  stage " << i << ": pass over " << st.batch << " rows";
-      if (st.batch_id != 0) os << " of batch " << st.batch_id;
+      if (st.tensor_rows) {
+        os << " of its tensors (element-wise)";
+      } else if (st.batch_id != 0) {
+        os << " of batch " << st.batch_id;
+      }
       os << " in " << st.chunks() << " chunks of " << st.chunk
          << ", " << st.nodes.size() << " nodes\n";
       // Chunk-local values: every one with `nodes`, else the largest and a total.
@@ -215,7 +219,8 @@ std::string Plan::to_string(bool nodes) const {
       });
       const size_t show = nodes ? local.size() : std::min<size_t>(local.size(), 3);
       if (!local.empty()) {
-        os << "    " << local.size() << " batch-sharded values chunk-local, " << format_bytes(per_chunk)
+        os << "    " << local.size() << (st.tensor_rows ? " values chunk-local, " : " batch-sharded values chunk-local, ")
+           << format_bytes(per_chunk)
            << " per chunk if all were live; largest:";
         for (size_t k = 0; k < show; ++k) {
           os << (k ? "," : "") << " b" << local[k]->buf->id << " " << format_bytes(local[k]->layout.bytes(st.chunk));

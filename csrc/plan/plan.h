@@ -136,6 +136,7 @@ struct Stage {
   // Loop stages:
   int64_t batch = 0;      // the batch's rows
   int32_t batch_id = 0;   // which batch (a plan may split several, each in its own loops)
+  bool tensor_rows = false; // a loop over one tensor's rows, not a batch (plan/rows.h): `batch` is its rows
   int64_t chunk = 0;      // rows per chunk (the last one may be smaller)
   std::vector<Slot> slots;
   std::vector<Accumulator> accs;

@@ -123,6 +123,16 @@ Plan plan_anew(const PlanInput& in) {
     model = model_memory(plan);
     plan.predicted_peak = model.peak(plan, &at);
   }
+  if (in.budget >= 0 && plan.predicted_peak > in.budget && in.force_chunks <= 0) {
+    // What does not fit may be only element-wise runs over one tensor's rows (an optimizer step
+    // whose single parameter's temporaries do not fit): those in blocks of rows, the rest unsplit.
+    Plan rows = whole_plan(in, s);
+    rows.notes = plan.notes;
+    std::vector<std::string> notes;
+    if (choose_chunks(rows, in.budget, 0, notes) == ChunkChoice::kFits && rows.split && !rows.last_resort) {
+      plan = std::move(rows);
+    }
+  }
   const bool over = in.budget >= 0 && plan.predicted_peak > in.budget;
   if (!over && in.force_chunks <= 0) { // fits: exactly eager's kernels in program order
     note_unsplit_facts(in.nodes, s, in.needed, plan);

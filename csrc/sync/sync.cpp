@@ -61,6 +61,7 @@ void record_stats(const Plan& plan, const ExecOutcome& out) {
     for (const Stage& s : plan.stages) {
       if (!s.loop || s.nodes.empty()) continue;
       ++loops;
+      if (s.tensor_rows) st.row_loops.fetch_add(1, std::memory_order_relaxed);
       chunks = std::max<int64_t>(chunks, s.chunks());
       recomputed.insert(s.recomputed.begin(), s.recomputed.end());
       for (const FullStore& f : s.stores) st.values_in_host_memory.fetch_add(f.host, std::memory_order_relaxed);

@@ -52,26 +52,39 @@ def test_memory_returns_to_baseline():
     assert torch.lazymem.memory_allocated() == base
 
 
-def chain(device: str) -> torch.Tensor:
+def chain(device: str, n: int = 8 * MiB) -> torch.Tensor:
     # ~32 MiB input; the two 32 MiB temporaries of the next line are alive at once in eager
-    x = torch.ones(8 * MiB, device=device)
+    x = torch.ones(n, device=device)
     return ((x * 2) + (x * 3)).sum()
 
 
 def test_simulated_device_oom_loses_nothing():
+    # A 48 MiB input on a 40 MiB device: nothing splits it (the element-wise ops after it would run in
+    # blocks of its elements, but it does not fit itself).
     with simulated_device("40MiB"):
         free, total = torch.lazymem.mem_get_info()
         assert total == 40 * MiB and free == total - torch.lazymem.memory_allocated()
-        y = chain("lazymem")
+        y = chain("lazymem", 12 * MiB)
         with pytest.raises(torch.OutOfMemoryError, match="lazymem: out of memory while materializing.*Nothing was lost"):
             y.item()
         assert torch_lazymem.stats()["pending_nodes"] > 0
     with simulated_device("200MiB"):
         torch.lazymem.reset_peak_memory_stats()
-        assert y.item() == 5.0 * 8 * MiB
+        assert y.item() == 5.0 * 12 * MiB
         assert torch.lazymem.max_memory_allocated() <= 200 * MiB  # never above the device's capacity
         assert torch_lazymem.stats()["peak_bytes"] <= 200 * MiB
     gc.collect()
+
+
+def test_an_element_wise_chain_over_a_tensor_too_large_for_its_temporaries_runs_in_blocks():
+    """x (32 MiB) fits a 40 MiB device, x * 2 and x * 3 beside it do not (eager: memory_cap raises):
+    the element-wise run reading x goes in blocks of its elements (the third split axis), exactly."""
+    with simulated_device("40MiB"):
+        torch.lazymem.reset_peak_memory_stats()
+        y = chain("lazymem")
+        assert y.item() == 5.0 * 8 * MiB
+        assert torch.lazymem.max_memory_allocated() <= 40 * MiB
+        assert torch_lazymem.stats()["row_loops"] >= 1, torch_lazymem.explain(print_it=False)
 
 
 def test_eager_cap_uses_the_same_accounting():

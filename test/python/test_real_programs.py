@@ -255,6 +255,58 @@ def test_a_gan_with_two_optimizer_steps_in_one_program():
     check_steps(gan_steps)
 
 
+def koila_steps(dev, steps=3, batch=64):
+    """Koila's MLP (784-512-512-10) trained `steps` AdamW steps on a batch of `batch` samples: losses
+    and parameters."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    m = m.double().to(dev)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(batch, 784, generator=g, dtype=D).to(dev), torch.randint(0, 10, (batch,), generator=g).to(dev)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return [torch.tensor(losses, dtype=D)] + [p.detach().cpu() for p in m.parameters()]
+
+
+@quiet
+@pytest.mark.parametrize("batch, steps", [(64, 3), (4096, 1)])
+def test_an_optimizer_step_along_a_parameters_rows(batch, steps):
+    """Issue 31, item 2: under 4x the parameter bytes (parameters, gradients, AdamW's two moments)
+    plus the batch's bytes plus 30% of the rest of eager's peak, one parameter's temporaries do not
+    fit, even one tensor at a time. Each parameter's element-wise chain runs in blocks of its rows,
+    with eager's results. At batch 4,096 (the batch alone is 24.5 MiB), under 4x the parameter bytes
+    plus 2 MiB, the forward and backward split along the batch too, in the same plan: a first step,
+    whose backward holds no optimizer state yet (a later one's holds it beside the largest weight's
+    gradient partial and accumulator: more than the step's temporaries)."""
+    params = (784 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10) * 8
+    data = batch * (784 + 1) * 8
+    run = functools.partial(koila_steps, batch=batch, steps=steps)
+    with memory_cap(1 << 45):
+        expected = run("cpu")
+        peak = eager_max_memory_allocated()
+    cap = 4 * params + (data + int(0.3 * (peak - 4 * params - data)) if batch <= 64 else 2 << 20)
+    with memory_cap(cap), pytest.raises(torch.OutOfMemoryError):
+        run("cpu")
+    torch.lazymem.synchronize()
+    with simulated_device(cap):
+        torch.lazymem.reset_peak_memory_stats()
+        got = run("lazymem")
+        lazy_peak = torch.lazymem.max_memory_allocated()
+    text = torch_lazymem.explain(print_it=False)
+    assert lazy_peak <= cap, (lazy_peak, cap, text)
+    assert "of its tensors (element-wise)" in text, text
+    if batch > 64:
+        assert "split along a batch of 4096 rows" in text, text
+    for k, (g, e) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(g, e, msg=lambda m, k=k: f"value {k} (0: the losses): {m}")
+
+
 def mlp_steps(dev, make_layer=nn.Linear, flush=None, steps=3):
     """A 64-256-256-10 MLP (its hidden layers made by `make_layer`) trained `steps` AdamW steps on
     4,096 samples; with `flush`, lazymem's flush threshold cuts each step into pieces of that many
@@ -279,6 +331,68 @@ def mlp_steps(dev, make_layer=nn.Linear, flush=None, steps=3):
         if flush and dev == "lazymem":
             torch_lazymem.set_flush_threshold(0, 0)
     return [torch.tensor(losses, dtype=D)] + [p.detach().cpu() for p in m.parameters()] + [b.cpu() for b in m.buffers()]
+
+
+class TopOneMoE(nn.Module):
+    """Top-1 mixture of experts: a router, `nonzero` per expert, h[sel] through the expert, index_add_
+    back weighted by the router's probability, and a load-balancing loss over the batch."""
+
+    def __init__(self, width=64, experts=4, classes=5) -> None:
+        super().__init__()
+        self.stem = nn.Linear(32, width)
+        self.router = nn.Linear(width, experts)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+                                     for _ in range(experts))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        h = self.stem(x).relu()
+        probs = self.router(h).softmax(-1)
+        top = probs.argmax(-1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            sel = (top == e).nonzero().squeeze(1)
+            out = out.index_add(0, sel, expert(h[sel]) * probs[sel, e:e + 1])
+        frac = F.one_hot(top, len(self.experts)).to(h.dtype).mean(0)
+        balance = len(self.experts) * (frac * probs.mean(0)).sum()
+        return self.head(h + out), balance
+
+
+def moe_steps(dev, steps=3, b=2048):
+    """TopOneMoE trained `steps` AdamW steps on `b` samples: losses and parameters."""
+    torch.manual_seed(0)
+    m = TopOneMoE().double().to(dev)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(b, 32, generator=g, dtype=D).to(dev), torch.randint(0, 5, (b,), generator=g).to(dev)
+    losses = []
+    for _ in range(steps):
+        logits, balance = m(x)
+        loss = F.cross_entropy(logits, y) + 0.01 * balance
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return [torch.tensor(losses, dtype=D)] + [p.detach().cpu() for p in m.parameters()]
+
+
+def test_a_top_one_mixture_of_experts_runs_its_routed_rows_whole_and_says_so():
+    """Issue 31, item 5 (README, barrier table): top-1 routing (a `nonzero` per expert, h[sel],
+    index_add back, a load-balancing loss over the batch) splits around the routing in 3 chunks, with
+    eager's results; the gathers by the selected rows run whole, and explain() says so. (Under 25% of
+    eager's peak it runs out of memory: each expert's rows and what its backward keeps are held
+    whole.)"""
+    from torch_lazymem.testing import force_chunks
+
+    want = moe_steps("cpu", steps=1)
+    torch_lazymem.reset_stats()
+    with force_chunks(3):
+        got = moe_steps("lazymem", steps=1)
+    text = torch_lazymem.explain(print_it=False)
+    assert torch_lazymem.stats()["splits"] >= 1 and torch_lazymem.stats()["barriers"] >= 1, text
+    assert "aten::index.Tensor" in text and "indexes along the batch" in text, text
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e)
 
 
 def test_spectral_norm_updates_its_vectors_in_place_at_every_forward():

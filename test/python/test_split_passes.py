@@ -7,6 +7,7 @@ fault injection (torch_lazymem.testing.fail_allocation)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -20,6 +21,7 @@ from torch_lazymem.testing import (
     fail_allocation,
     force_chunks,
     injected_failures,
+    simulated_device,
 )
 
 
@@ -232,4 +234,50 @@ def test_out_of_memory_inside_a_foreach_optimizer_step_resumes_after_the_tensors
         fired += 1
         for k, v in state.items():
             assert torch.equal(v, ref[k]), f"{k} after failing allocation {n} of the step"
+    assert fired >= 4, fired
+
+
+def test_an_optimizer_step_in_blocks_of_a_parameters_rows_survives_out_of_memory():
+    """A weight whose AdamW temporaries do not fit beside what is held, even one tensor at a time
+    (issue 31, item 2): its element-wise chain runs in blocks of its rows (the third split axis),
+    updating the weight and its moments in place under the loop's undo log. Every allocation failure
+    injected into the step gives the state of the run without one, bitwise (the rows it updated are
+    put back, then run again in smaller blocks, or planned again), and that state is eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.Tanh(), nn.Linear(512, 4)).double()
+    x, t = torch.randn(8, 256, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    params = sum(p.numel() for p in model.parameters()) * 8
+    cap = 4 * params + (256 << 10)  # the 512x256 weight's sqrt alone takes 1 MiB
+
+    def step(n, dev="lazymem"):
+        lazy = copy.deepcopy(model).to(dev)
+        opt = torch.optim.AdamW(lazy.parameters(), lr=1e-2)
+        before, texts = injected_failures(), []
+        with simulated_device(cap) if dev == "lazymem" else contextlib.nullcontext():
+            for _ in range(2):
+                opt.zero_grad()  # (the gradients stay held through the step)
+                F.mse_loss(lazy(x.to(dev)), t.to(dev)).backward()
+                torch.lazymem.synchronize()
+                if n:
+                    fail_allocation(n)  # armed for the next materialization: the step's
+                opt.step()
+                torch.lazymem.synchronize()
+                texts.append(torch_lazymem.explain(print_it=False))
+            state = [p.detach().cpu() for p in lazy.parameters()]
+            state += [opt.state[p][k].cpu() for p in lazy.parameters() for k in ("exp_avg", "exp_avg_sq")]
+        return state, injected_failures() > before, texts
+
+    ref, _, texts = step(0)
+    assert any("of its tensors (element-wise)" in s for s in texts), texts
+    eager, _, _ = step(0, "cpu")
+    torch.testing.assert_close(ref, eager)
+    fired = 0
+    for n in range(1, 400):
+        state, hit, _ = step(n)
+        if not hit:
+            break
+        fired += 1
+        for k, (got, want) in enumerate(zip(state, ref)):
+            assert torch.equal(got, want), (f"value {k} after failing allocation {n} of the step",
+                                            (got - want).abs().max().item(), (got != want).sum().item(), got.shape)
     assert fired >= 4, fired
