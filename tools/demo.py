@@ -12,6 +12,9 @@ hold is counted and an allocation past the capacity raises torch.OutOfMemoryErro
      defaults; the loss itself transformers computes in float32), and the measured peak stays under
      the capacity, as the memory model predicted before anything ran.
   4. A batch that fits is not split: the result is bitwise equal to eager.
+
+  python tools/demo.py --trainer   the same job through transformers' Trainer, unchanged: after the
+                                   import it trains on lazymem by default (use_cpu=True for the CPU)
 """
 
 from __future__ import annotations
@@ -134,5 +137,64 @@ def main() -> int:
     return 0 if ok else 1
 
 
+def trainer_run(use_cpu: bool, data: list[torch.Tensor], out: str) -> tuple[list[float], list[torch.Tensor]]:
+    """The demo's 3 steps through transformers' Trainer (AdamW at 1e-3, its default schedule and
+    gradient clipping): its logged losses and the final parameters."""
+    from transformers import Trainer, TrainingArguments
+
+    rows = [{"input_ids": ids[i], "labels": ids[i]} for ids in data for i in range(ids.shape[0])]
+    args = TrainingArguments(output_dir=out, report_to=[], use_cpu=use_cpu, max_steps=STEPS,
+                             per_device_train_batch_size=BATCH, learning_rate=1e-3, seed=0, logging_steps=1,
+                             save_strategy="no", dataloader_num_workers=0, disable_tqdm=True)
+    trainer = Trainer(model=make_model(), args=args, train_dataset=rows)
+    trainer.train()
+    assert all(p.device.type == ("cpu" if use_cpu else "lazymem") for p in trainer.model.parameters())
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses, [p.detach().cpu() for p in trainer.model.parameters()]
+
+
+def main_trainer() -> int:
+    import tempfile
+
+    warnings.simplefilter("ignore")
+    data = batches()
+    out = tempfile.mkdtemp(prefix="lazymem_demo_")
+    print(f"torch {torch.__version__}; transformers Trainer, GPT-2 (float64), batch {BATCH} x {SEQ} tokens, "
+          f"{STEPS} steps; simulated device of {CAPACITY // MiB} MiB\n")
+    try:
+        with memory_cap(CAPACITY):
+            trainer_run(True, data, out)
+        print("Trainer on the CPU: fits (unexpected)")
+        return 1
+    except torch.OutOfMemoryError as e:
+        print(f"Trainer on the CPU, {CAPACITY // MiB} MiB cap:  torch.OutOfMemoryError: {str(e).splitlines()[0][:80]}")
+    with memory_cap(1 << 40):
+        expected, want = trainer_run(True, data, out)
+    with simulated_device(CAPACITY):
+        torch_lazymem.reset_stats()
+        torch.lazymem.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        losses, got = trainer_run(False, data, out)
+        seconds = time.perf_counter() - t0
+        peak = torch.lazymem.max_memory_allocated()
+        splits = torch_lazymem.stats()["splits"]
+    print(f"Trainer on lazymem (no change but the import): losses {[round(x, 4) for x in losses]} "
+          f"(CPU {[round(x, 4) for x in expected]}); {splits} steps split; peak {peak / MiB:.2f} MiB; {seconds:.1f} s")
+    params_equal = True
+    for p, q in zip(got, want):
+        try:
+            torch.testing.assert_close(p, q)
+        except AssertionError:
+            params_equal = False
+    losses_equal = all(abs(a - b) <= 1.3e-6 * abs(b) + 1e-5 for a, b in zip(losses, expected))
+    under = peak <= CAPACITY
+    print(f"losses equal the CPU run's: {losses_equal}; every parameter equal (float64, assert_close defaults): "
+          f"{params_equal}; peak never above the capacity: {under}")
+    ok = losses_equal and params_equal and under and splits >= STEPS
+    if not ok:
+        print("DEMO FAILED")
+    return 0 if ok else 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_trainer() if "--trainer" in sys.argv[1:] else main())

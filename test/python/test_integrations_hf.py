@@ -15,6 +15,7 @@ import torch
 
 import torch_lazymem
 from torch_lazymem import integrations
+from torch_lazymem.testing import eager_max_memory_allocated, memory_cap, simulated_device
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
@@ -203,6 +204,30 @@ def test_trainer_matches_cpu(tmp_path, accumulation):
     assert_same(lazy, cpu)
 
 
+def test_trainer_splits_where_eager_runs_out_of_memory(tmp_path):
+    """Trainer's 3 steps at a batch of 96 x 32 tokens (float64) on a simulated device of 40% of the
+    peak the same steps take on the CPU: the CPU run under that cap runs out of memory; on lazymem
+    every step splits along the batch, the peak stays within the capacity, and the parameters and
+    losses equal the CPU run's (float64; the loss transformers computes in float32)."""
+    kwargs = dict(per_device_train_batch_size=96, dataset=_dataset(n=288, seq=32))
+    with memory_cap(1 << 45):
+        _, cpu, cpu_losses = _train(tmp_path, True, **kwargs)
+        peak = eager_max_memory_allocated()
+    cap = int(0.4 * peak)
+    with memory_cap(cap), pytest.raises(torch.OutOfMemoryError):
+        _train(tmp_path, True, **kwargs)
+    torch_lazymem.reset_stats()
+    with simulated_device(cap):
+        torch.lazymem.reset_peak_memory_stats()
+        _, lazy, lazy_losses = _train(tmp_path, False, **kwargs)
+        lazy_peak = torch.lazymem.max_memory_allocated()
+    text = torch_lazymem.explain(print_it=False)
+    assert torch_lazymem.stats()["splits"] >= 3 and lazy_peak <= cap, (lazy_peak, cap, text)
+    torch.testing.assert_close(lazy_losses, cpu_losses)
+    for name in cpu:
+        torch.testing.assert_close(lazy[name], cpu[name], msg=name)
+
+
 def _autocast_dtypes(model: GPT2LMHeadModel) -> list[torch.dtype]:
     seen: list[torch.dtype] = []
     model.transformer.h[0].attn.c_attn.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
@@ -339,6 +364,55 @@ def test_accelerator_training_matches_cpu():
     _, _, cpu, cpu_losses = _accelerate_run(cpu=True)
     assert_same(lazy, cpu)
     assert_same(dict(enumerate(lazy_losses)), dict(enumerate(cpu_losses)))
+
+
+def _accelerate_mlp(cpu: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """accelerate's prepare / backward / clip_grad_norm_ / step over 3 batches of 2,048 rows (a
+    64-512-512-1 MLP, float64, AdamW): the losses and the final parameters."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=cpu)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 1)).double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(6144, 64, generator=g, dtype=torch.float64), torch.randn(6144, 1, generator=g, dtype=torch.float64)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2048)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses = []
+    for xb, yb in loader:
+        loss = torch.nn.functional.mse_loss(model(xb), yb)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    net = accelerator.unwrap_model(model)
+    assert all(p.device.type == accelerator.device.type for p in net.parameters())
+    return torch.tensor(losses, dtype=torch.float64), {k: v.detach().cpu() for k, v in net.state_dict().items()}
+
+
+def test_accelerator_splits_where_eager_runs_out_of_memory():
+    """The same accelerate loop on a simulated device of 40% of the CPU run's peak: the CPU run under
+    that cap runs out of memory; on lazymem every step splits along the batch within the capacity,
+    and the losses and parameters equal the CPU run's (float64)."""
+    with memory_cap(1 << 45):
+        cpu_losses, cpu = _accelerate_mlp(cpu=True)
+        peak = eager_max_memory_allocated()
+    cap = int(0.4 * peak)
+    with memory_cap(cap), pytest.raises(torch.OutOfMemoryError):
+        _accelerate_mlp(cpu=True)
+    torch_lazymem.reset_stats()
+    with simulated_device(cap):
+        torch.lazymem.reset_peak_memory_stats()
+        lazy_losses, lazy = _accelerate_mlp(cpu=False)
+        lazy_peak = torch.lazymem.max_memory_allocated()
+    text = torch_lazymem.explain(print_it=False)
+    assert torch_lazymem.stats()["splits"] >= 3 and lazy_peak <= cap, (lazy_peak, cap, text)
+    torch.testing.assert_close(lazy_losses, cpu_losses)
+    for name in cpu:
+        torch.testing.assert_close(lazy[name], cpu[name], msg=name)
 
 
 def test_accelerator_bf16_autocast():

@@ -12,6 +12,7 @@ import torch
 
 import torch_lazymem
 from torch_lazymem import integrations
+from torch_lazymem.testing import eager_max_memory_allocated, memory_cap, simulated_device
 
 pl = pytest.importorskip("lightning.pytorch")
 
@@ -65,13 +66,13 @@ class _RecordDevices(pl.Callback):
         self.types.add(batch[0].device.type)
 
 
-def _fit(accelerator: str) -> tuple[pl.Trainer, SmallCNN, set[str]]:
+def _fit(accelerator: str, batch: int = 4) -> tuple[pl.Trainer, SmallCNN, set[str]]:
     torch.manual_seed(0)
     model = SmallCNN().double()
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(12, 1, 8, 8, dtype=torch.float64, generator=g)
-    y = torch.randint(0, 3, (12,), generator=g)
-    loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False, num_workers=0)
+    x = torch.randn(3 * batch, 1, 8, 8, dtype=torch.float64, generator=g)
+    y = torch.randint(0, 3, (3 * batch,), generator=g)
+    loader = DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False, num_workers=0)
     devices = _RecordDevices()
     trainer = _trainer(accelerator, max_steps=3, devices=1, callbacks=[devices])
     with warnings.catch_warnings():
@@ -121,3 +122,69 @@ def test_auto_chooses_lazymem_unless_disabled() -> None:
         assert trainer.strategy.root_device.type == expected
     finally:
         integrations.enable()
+
+
+def test_fit_splits_where_eager_runs_out_of_memory() -> None:
+    """Lightning's fit, 3 steps at a batch of 4,096 images (float64), on a simulated device of 40% of
+    the CPU run's peak: the CPU run under that cap runs out of memory; on lazymem the steps split
+    along the batch within the capacity, and the parameters equal the CPU run's."""
+    with memory_cap(1 << 45):
+        _, cpu_model, _ = _fit("cpu", batch=4096)
+        peak = eager_max_memory_allocated()
+    cap = int(0.4 * peak)
+    with memory_cap(cap), pytest.raises(torch.OutOfMemoryError):
+        _fit("cpu", batch=4096)
+    torch_lazymem.reset_stats()
+    with simulated_device(cap):
+        torch.lazymem.reset_peak_memory_stats()
+        _, model, types = _fit("lazymem", batch=4096)
+        lazy_peak = torch.lazymem.max_memory_allocated()
+    text = torch_lazymem.explain(print_it=False)
+    assert types == {"lazymem"}
+    # (Nothing reads a value between Lightning's steps here: the 3 steps may be one program, one plan.)
+    assert torch_lazymem.stats()["splits"] >= 1 and lazy_peak <= cap, (lazy_peak, cap, text)
+    for name, p in cpu_model.named_parameters():
+        torch.testing.assert_close(dict(model.named_parameters())[name].detach().cpu(), p.detach(), msg=name)
+
+
+class _Mixed(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 2)
+        self.seen: list[tuple[torch.dtype, bool]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        self.seen.append((h.dtype, torch.is_autocast_enabled(x.device.type)))
+        return self.b(h.relu())
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201 - Lightning's hook
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x).float(), y)
+
+    def configure_optimizers(self):  # noqa: ANN201 - Lightning's hook
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)])
+def test_mixed_precision_autocasts_on_lazymem(precision, dtype) -> None:
+    """precision="bf16-mixed" and "16-mixed" autocast lazymem's ops (Lightning itself would autocast
+    "cuda" for any accelerator but the CPU and MPS: silently full precision), fp16 with a GradScaler
+    on lazymem; the model trains."""
+    torch.manual_seed(0)
+    model = _Mixed()
+    before = model.a.weight.detach().clone()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(12, 8, generator=g), torch.randint(0, 2, (12,), generator=g)
+    trainer = _trainer("lazymem", max_steps=3, devices=1, precision=precision)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
+    plugin = trainer.precision_plugin
+    assert plugin.device == "lazymem"
+    assert model.seen and all(s == (dtype, True) for s in model.seen), model.seen
+    if precision == "16-mixed":
+        assert plugin.scaler is not None and plugin.scaler._device == "lazymem"
+    after = model.a.weight.detach().cpu()
+    assert torch.isfinite(after).all() and not torch.equal(after, before)

@@ -5,7 +5,7 @@ Lightning's accelerator registry is its extension point for a new accelerator: `
 (one device, ``lazymem:0``) is registered in ``AcceleratorRegistry`` under "lazymem" once
 ``lightning.pytorch.accelerators`` is imported, and the strategy ``SingleDeviceStrategy(device=
 torch.device("lazymem", 0))`` in ``StrategyRegistry`` under "single_lazymem" once
-``lightning.pytorch.strategies`` is. A registered accelerator is not enough on its own: two
+``lightning.pytorch.strategies`` is. A registered accelerator is not enough on its own: three
 methods of ``lightning.pytorch.trainer.connectors.accelerator_connector._AcceleratorConnector`` are
 wrapped, each deferring to Lightning's own code unless lazymem applies:
 
@@ -13,6 +13,10 @@ wrapped, each deferring to Lightning's own code unless lazymem applies:
   cuda, cpu): returns "lazymem" when ``torch.accelerator.current_accelerator()`` is lazymem and the
   integrations are enabled (PyTorch puts a registered PrivateUse1 backend before CUDA, so this holds on
   CUDA machines as well). ``torch_lazymem.integrations.disable()`` gives Lightning's choice back.
+* ``_check_and_init_precision`` (``device = self._accelerator_flag if ... in ("cpu", "mps") else
+  "cuda"; return MixedPrecision(self._precision_flag, device)``): for the lazymem accelerator,
+  ``precision="bf16-mixed"`` and ``"16-mixed"`` get ``MixedPrecision(..., "lazymem")``: autocast on
+  lazymem, and for fp16 a ``GradScaler`` on lazymem.
 * ``_choose_strategy`` (``if isinstance(self._accelerator_flag, (CUDAAccelerator, MPSAccelerator)) or
   ... in ("cuda", "gpu", "mps"): device = _determine_root_gpu_device(...) else: device = "cpu"``; then
   ``return SingleDeviceStrategy(device=device)``): any other accelerator would get a CPU strategy, so
@@ -183,6 +187,26 @@ def _patch_connector(package: str, module: ModuleType) -> None:
 
         _choose_strategy._lazymem = True  # type: ignore[attr-defined]
         Connector._choose_strategy = _choose_strategy
+
+    MixedPrecision = module.MixedPrecision
+    original_precision = Connector._check_and_init_precision
+    if not getattr(original_precision, "_lazymem", False):
+
+        @functools.wraps(original_precision)
+        def _check_and_init_precision(self) -> Any:  # noqa: ANN001 - Lightning's connector
+            plugin = original_precision(self)
+            # Lightning autocasts "cuda" for every accelerator but the CPU and MPS: lazymem's ops would
+            # run in full precision, silently, and 16-mixed would scale on CUDA's GradScaler.
+            if (
+                type(plugin) is MixedPrecision
+                and plugin.device != "lazymem"
+                and _is_lazymem_accelerator(package, self._accelerator_flag)
+            ):
+                return MixedPrecision(plugin.precision, "lazymem")
+            return plugin
+
+        _check_and_init_precision._lazymem = True  # type: ignore[attr-defined]
+        Connector._check_and_init_precision = _check_and_init_precision
 
 
 def install() -> None:
