@@ -366,23 +366,20 @@ def test_accelerator_training_matches_cpu():
     assert_same(dict(enumerate(lazy_losses)), dict(enumerate(cpu_losses)))
 
 
-def _accelerate_mlp(cpu: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """accelerate's prepare / backward / clip_grad_norm_ / step over 3 batches of 2,048 rows (a
-    64-512-512-1 MLP, float64, AdamW): the losses and the final parameters."""
+def _accelerate_gpt2(cpu: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """accelerate's prepare / backward / clip_grad_norm_ / step over 3 batches of 96 x 32 tokens (the
+    tiny GPT-2, float64, AdamW): the losses and the final parameters."""
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     accelerator = Accelerator(cpu=cpu)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
-                                torch.nn.Linear(512, 1)).double()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(6144, 64, generator=g, dtype=torch.float64), torch.randn(6144, 1, generator=g, dtype=torch.float64)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2048)
+    model = _gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 64, (288, 32), generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=96)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     losses = []
-    for xb, yb in loader:
-        loss = torch.nn.functional.mse_loss(model(xb), yb)
+    for (xb,) in loader:
+        loss = model(input_ids=xb, labels=xb).loss
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -390,23 +387,27 @@ def _accelerate_mlp(cpu: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         losses.append(loss.item())
     net = accelerator.unwrap_model(model)
     assert all(p.device.type == accelerator.device.type for p in net.parameters())
+    for values in optimizer.state.values():
+        for value in values.values():
+            if torch.is_tensor(value) and value.dim() > 0:
+                assert value.device.type == accelerator.device.type
     return torch.tensor(losses, dtype=torch.float64), {k: v.detach().cpu() for k, v in net.state_dict().items()}
 
 
 def test_accelerator_splits_where_eager_runs_out_of_memory():
-    """The same accelerate loop on a simulated device of 40% of the CPU run's peak: the CPU run under
-    that cap runs out of memory; on lazymem every step splits along the batch within the capacity,
-    and the losses and parameters equal the CPU run's (float64)."""
+    """An accelerate loop on a simulated device of 40% of the CPU run's peak: the CPU run under that
+    cap runs out of memory; on lazymem every step splits along the batch within the capacity, and the
+    losses (transformers computes them in float32) and parameters equal the CPU run's (float64)."""
     with memory_cap(1 << 45):
-        cpu_losses, cpu = _accelerate_mlp(cpu=True)
+        cpu_losses, cpu = _accelerate_gpt2(cpu=True)
         peak = eager_max_memory_allocated()
     cap = int(0.4 * peak)
     with memory_cap(cap), pytest.raises(torch.OutOfMemoryError):
-        _accelerate_mlp(cpu=True)
+        _accelerate_gpt2(cpu=True)
     torch_lazymem.reset_stats()
     with simulated_device(cap):
         torch.lazymem.reset_peak_memory_stats()
-        lazy_losses, lazy = _accelerate_mlp(cpu=False)
+        lazy_losses, lazy = _accelerate_gpt2(cpu=False)
         lazy_peak = torch.lazymem.max_memory_allocated()
     text = torch_lazymem.explain(print_it=False)
     assert torch_lazymem.stats()["splits"] >= 3 and lazy_peak <= cap, (lazy_peak, cap, text)
