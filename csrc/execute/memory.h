@@ -132,10 +132,10 @@ int64_t release_cached_blocks(int64_t headroom);
 void set_device_memory_fraction(int64_t index, double fraction);
 // While a plan runs on a CUDA-like backing device, the caching allocator itself holds the process to
 // the budget: its per-process memory fraction is lowered to what the process's other tensors hold
-// (allocated, not lazymem's) plus `budget`, and the user's fraction is put back after. (It also
-// measures library_bytes() around the run.) The plan
-// allocates at most plan_target(budget); what the allocator reserves beyond that (segments rounded
-// up, blocks split and cached for other sizes) is its own fragmentation, and at the cap it first
+// (allocated, not lazymem's) plus `budget`, and the user's fraction is put back after (it also
+// measures library_bytes() around the run). The plan allocates at most plan_target(budget); what the
+// allocator reserves beyond that (segments rounded up, blocks split and cached for other sizes) is
+// its own fragmentation, and at the cap it first
 // returns its cached free segments and only then raises out of memory, which the run meets like any
 // other (smaller chunks, a new plan). So torch.cuda.max_memory_reserved() stays within the budget
 // on every step, the first one included. Nothing changes on the CPU, without a budget, or when the
@@ -147,12 +147,11 @@ class ScopedAllocatorCap {
   ~ScopedAllocatorCap();
   ScopedAllocatorCap(const ScopedAllocatorCap&) = delete;
   ScopedAllocatorCap& operator=(const ScopedAllocatorCap&) = delete;
-  double fraction() const { return fraction_; } // the fraction set for the scope (0: none)
 
  private:
   c10::Device device_{c10::kCPU};
   int64_t unheld_before_ = 0;
-  double fraction_ = 0.0;
+  double fraction_ = 0.0; // the fraction set for the scope (0: none)
   double restore_ = 1.0;
 };
 // Device bytes lazymem's runs left allocated beyond its values: workspaces its kernels made and their

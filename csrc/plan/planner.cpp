@@ -134,7 +134,7 @@ Plan plan_anew(const PlanInput& in) {
     }
   }
   const bool over = in.budget >= 0 && plan.predicted_peak > in.budget;
-  if (!over && in.force_chunks <= 0) { // fits: exactly eager's kernels in program order
+  if (!over && in.force_chunks <= 0) { // fits: eager's kernels in program order (element-wise runs maybe in blocks)
     note_unsplit_facts(in.nodes, s, in.needed, plan);
     return plan;
   }

@@ -14,7 +14,13 @@ import torch
 from conftest import to_lazy
 
 import torch_lazymem
-from torch_lazymem.testing import force_chunks, memory_cap, parse_bytes, simulated_device
+from torch_lazymem.testing import (
+    eager_max_memory_allocated,
+    force_chunks,
+    memory_cap,
+    parse_bytes,
+    simulated_device,
+)
 
 ORDERS = ("step_then_item", "item_first")
 B = 10  # the tests' batch: chunks of 2, 3 and 8 leave a ragged last chunk
@@ -119,3 +125,30 @@ def sgd_step_where_eager_runs_out(
         assert stats["peak_bytes"] <= parse_bytes(cap)
         assert_state_close(ref, lazy)
     return stats, text
+
+
+def check_steps(steps_fn: Callable[[str], list], fraction: float = 0.25,
+                cap_of: Callable[[int], int] | None = None, min_splits: int = 1) -> str:
+    """`steps_fn(dev)` (a list of its losses, parameters and buffers, "cpu" or "lazymem") under a cap of
+    `fraction` of its eager peak (or `cap_of(peak)`): eager runs out of memory under it; lazymem, on a
+    simulated device of that capacity, splits (at least `min_splits` split plans) within it, with
+    eager's results at assert_close defaults. Returns explain()."""
+    with memory_cap(1 << 45):
+        expected = steps_fn("cpu")
+        peak = eager_max_memory_allocated()
+    cap = cap_of(peak) if cap_of else int(peak * fraction)
+    with memory_cap(cap), pytest.raises(torch.OutOfMemoryError):
+        steps_fn("cpu")
+    torch.lazymem.synchronize()
+    torch_lazymem.reset_stats()
+    with simulated_device(cap):
+        torch.lazymem.reset_peak_memory_stats()
+        got = steps_fn("lazymem")
+        lazy_peak = torch.lazymem.max_memory_allocated()
+    text = torch_lazymem.explain(print_it=False)
+    assert lazy_peak <= cap, (lazy_peak, cap, text)
+    assert torch_lazymem.stats()["splits"] >= min_splits, text
+    assert len(got) == len(expected)
+    for k, (g, e) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(g, e, msg=lambda m, k=k: f"value {k} (0: the losses): {m}")
+    return text

@@ -281,3 +281,40 @@ def test_an_optimizer_step_in_blocks_of_a_parameters_rows_survives_out_of_memory
             assert torch.equal(got, want), (f"value {k} after failing allocation {n} of the step",
                                             (got - want).abs().max().item(), (got != want).sum().item(), got.shape)
     assert fired >= 4, fired
+
+
+def test_an_element_wise_run_in_blocks_of_rows_with_a_ragged_last_block_equals_unsplit():
+    """The third split axis on its own, over 1,001 rows (blocks aligned to 8 rows: the last one is
+    ragged): a value held on the device, an element-wise chain of temporaries over it, then an
+    in-place update of it and a result that outlives the run. On a device that holds the value and
+    a fraction of one temporary, the run goes in blocks of rows; the results equal the unsplit run
+    and eager's."""
+    torch.manual_seed(0)
+    xh = torch.rand(1001, 512, dtype=torch.float64) + 0.5
+
+    def run(dev):
+        x = xh.to(dev, copy=True)  # (updated in place below)
+        if dev == "lazymem":
+            torch.lazymem.synchronize()  # x is held before the run
+        y = (x.sqrt() * 2 + 1).log()
+        x.mul_(0.5).add_(y)
+        z = y.exp()
+        return x.cpu(), z.cpu()
+
+    want = run("cpu")
+    with simulated_device("64MiB"):
+        unsplit = run("lazymem")
+        assert torch_lazymem.stats()["row_loops"] == 0
+    x_bytes = xh.numel() * 8
+    with simulated_device(x_bytes + x_bytes // 3):
+        torch_lazymem.reset_stats()
+        torch.lazymem.reset_peak_memory_stats()
+        got = run("lazymem")
+        text = torch_lazymem.explain(print_it=False)
+        assert torch.lazymem.max_memory_allocated() <= x_bytes + x_bytes // 3
+    assert torch_lazymem.stats()["row_loops"] >= 1, text
+    chunk = int(text.split("pass over 1001 rows of its tensors (element-wise) in ", 1)[1].split(" chunks of ")[1].split(",")[0])
+    assert 1001 % chunk != 0, text  # a ragged last block
+    for g, u, e in zip(got, unsplit, want):
+        assert torch.equal(u, e)  # unsplit: eager's kernels on the same device
+        torch.testing.assert_close(g, u)
