@@ -16,7 +16,8 @@ Prints a markdown table, one row per check (ok / FAIL / skip, and its figures):
 8. real cap: a GPT-2 under a 3 GiB per-process cap; eager's largest batch B_e, then lazymem at
    B_e, 4 B_e and 8 B_e (default budget): time per step, throughput per sample against eager,
    reserved memory against the cap, chunks and out-of-memory retries.
-9. tiny ops: time per op of 4,000 pointwise ops on 1,024 elements, eager CUDA and lazymem.
+9. tiny ops: time per op of 4,000 pointwise ops on 1,024 elements, eager CUDA and lazymem, then lazymem
+   again with pipelined execution (torch_lazymem.set_pipeline(True)); all three values equal.
 
 Eager CUDA runs in worker processes that never import torch_lazymem (importing it may break eager
 CUDA autograd in the same process: pytorch issue 161129), lazymem in others; both save their results
@@ -376,9 +377,9 @@ def judge_cap(eager: Result, lazy: Result) -> tuple[str, Result]:
     return ok(len(lazy) == 3 and not any("error" in r for r in lazy.values()) and within, figures)
 
 
-def item_tiny(side: str) -> Result:
+def tiny_runs(device: str) -> tuple[float, torch.Tensor]:
     """x = x * 1.0001 + 0.0001, TINY_OPS ops in all, then a sync: a warm-up, then the median of 3."""
-    device, times = DEVICE[side], []
+    times = []
     for _ in range(4):
         x = torch.zeros(1024, device=device)
         finish(device)
@@ -387,13 +388,30 @@ def item_tiny(side: str) -> Result:
             x = x * 1.0001 + 0.0001
         finish(device)
         times.append(time.perf_counter() - t0)
-    return {"us_per_op": statistics.median(times[1:]) / TINY_OPS * 1e6, "value": x.cpu()}
+    return statistics.median(times[1:]) / TINY_OPS * 1e6, x.cpu()
+
+
+def item_tiny(side: str) -> Result:
+    us, value = tiny_runs(DEVICE[side])
+    out: Result = {"us_per_op": us, "value": value}
+    if side == "lazy":  # again with pipelined execution (torch_lazymem.set_pipeline)
+        lazymem = sys.modules["torch_lazymem"]
+        lazymem.set_pipeline(True)
+        try:
+            out["pipelined_us_per_op"], out["pipelined_value"] = tiny_runs(DEVICE[side])
+            out["pipelined_flushes"] = lazymem.stats()["pipelined_flushes"]
+        finally:
+            lazymem.set_pipeline(False)
+    return out
 
 
 def judge_tiny(eager: Result, lazy: Result) -> tuple[str, Result]:
-    equal = torch.equal(eager["value"], lazy["value"])
+    equal = torch.equal(eager["value"], lazy["value"]) and torch.equal(eager["value"], lazy["pipelined_value"])
     return ok(equal, {"eager us/op": eager["us_per_op"], "lazymem us/op": lazy["us_per_op"],
-                      "lazymem/eager": lazy["us_per_op"] / eager["us_per_op"], "values equal": equal})
+                      "lazymem/eager": lazy["us_per_op"] / eager["us_per_op"],
+                      "pipelined us/op": lazy["pipelined_us_per_op"],
+                      "pipelined/eager": lazy["pipelined_us_per_op"] / eager["us_per_op"],
+                      "pipelined batches": lazy["pipelined_flushes"], "values equal": equal})
 
 
 @dataclasses.dataclass

@@ -12,6 +12,6 @@ if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
 fi
 
 python -m pip install -q --disable-pip-version-check \
-  "torch==2.13.0" "transformers==5.18.0" "accelerate==1.15.0" "lightning==2.6.6" "setuptools>=64" wheel ninja pytest \
+  "torch==2.13.0" "transformers==5.18.0" "accelerate==1.15.0" "lightning==2.6.6" "setuptools>=64" wheel ninja pytest "pytest-xdist==3.8.0" \
   expecttest numpy psutil
 python -m pip install -q --disable-pip-version-check --no-build-isolation -e .

@@ -40,7 +40,7 @@ PY
   # From build/asan, so that `import torch_lazymem` finds the instrumented package, not the repo's.
   cd "$ASAN_DIR/pkg"
   PYTHONMALLOC=malloc LD_PRELOAD="$SAN_RT" PYTHONPATH="$ASAN_DIR/pkg:$ROOT/test/python" \
-    python -m pytest -q -p no:cacheprovider --rootdir "$ROOT/test/python" -x \
+    python -m pytest -q -n 2 -p no:cacheprovider --rootdir "$ROOT/test/python" -x \
     $(ls "$ROOT"/test/python/test_split_*.py "$ROOT"/test/python/test_sync_points.py "$ROOT"/test/python/test_two_memories.py \
       "$ROOT"/test/python/test_memory.py | grep -v -e test_split_rules -e test_split_models -e test_split_everywhere) "$@"
   exit 0
@@ -51,4 +51,5 @@ cmake -S test/cpp -B test/cpp/build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/nu
 cmake --build test/cpp/build
 ./test/cpp/build/lazymem_cpp_tests --gtest_brief=1
 
-python -m pytest -q test/python "$@"
+# Two workers (pytest-xdist): the suite is mostly single-threaded Python, and CI has two cores.
+python -m pytest -q -n 2 test/python "$@"

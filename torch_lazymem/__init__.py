@@ -9,6 +9,8 @@ the recorded program on a real backing device (CUDA when present, else CPU) when
 
 from __future__ import annotations
 
+import atexit
+
 import torch
 
 from . import (
@@ -23,6 +25,7 @@ from .api import (
     explain,
     mark_batch,
     memory_budget,
+    pipeline,
     program,
     recompute,
     reset_stats,
@@ -30,6 +33,7 @@ from .api import (
     set_debug,
     set_flush_threshold,
     set_memory_budget,
+    set_pipeline,
     set_recompute,
     stats,
     sync,
@@ -41,6 +45,7 @@ __all__ = [
     "explain",
     "mark_batch",
     "memory_budget",
+    "pipeline",
     "program",
     "recompute",
     "reset_stats",
@@ -48,6 +53,7 @@ __all__ = [
     "set_debug",
     "set_flush_threshold",
     "set_memory_budget",
+    "set_pipeline",
     "set_recompute",
     "stats",
     "sync",
@@ -58,6 +64,8 @@ __version__ = "0.1.0"
 _register()
 _cuda.install()
 _C._set_progress_callback(_report_progress)
+# The pipeline's worker finishes what it was handed before the interpreter goes away.
+atexit.register(_C._pipeline_drain)
 
 from . import distributed as _distributed  # noqa: E402  (the c10d backend of the lazymem device)
 

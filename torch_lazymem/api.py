@@ -71,6 +71,25 @@ def set_flush_threshold(nodes: int = 0, bytes: Union[int, str] = 0) -> None:
     _C._set_flush_threshold(operator.index(nodes), byte_size(bytes, "the flush threshold's bytes"))
 
 
+def set_pipeline(enabled: bool = True) -> None:
+    """Pipelined execution: once a materialization has run unsplit within half the memory budget, what
+    is recorded next runs on a worker thread, 1,024 ops at a time, while the recording thread goes on
+    recording. Each batch runs as an auto-flush would (eager's kernels in program order, with its own
+    plan), so results are unchanged. A materialization that splits, runs out of memory or comes close
+    to the budget turns it off until one fits with room again. Off by default: on the 2-core CPU
+    machines it has been measured on, recording slowed by as much as the overlap gained; it is not
+    yet measured on a GPU. Also ``LAZYMEM_PIPELINE=1``. An error a kernel raises on the worker
+    surfaces at the next read of what it computed, or at the next ``synchronize()``."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"lazymem: set_pipeline expects True or False, got {enabled!r}")
+    _C._set_pipeline(enabled)
+
+
+def pipeline() -> bool:
+    """Whether pipelined execution is on (see set_pipeline)."""
+    return bool(_C._pipeline())
+
+
 def set_memory_budget(budget: Union[int, str, None]) -> None:
     """Caps the device memory lazymem may hold (resident values included) at ``budget`` bytes, or a
     string such as ``"6GiB"``; ``None`` restores the default: the backing device's free memory plus

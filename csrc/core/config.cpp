@@ -1,6 +1,7 @@
 // core: knobs, statistics and byte-size parsing.
 #include "core/config.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
@@ -31,6 +32,7 @@ std::map<std::string, int64_t> Stats::snapshot() const {
       {"nodes_collected", ld(nodes_collected)},
       {"peak_bytes", ld(peak_bytes)},
       {"auto_flushes", ld(auto_flushes)},
+      {"pipelined_flushes", ld(pipelined_flushes)},
       {"outputs_copied", ld(outputs_copied)},
       {"predicted_peak_bytes", ld(predicted_peak_bytes)},
       {"splits", ld(splits)},
@@ -76,6 +78,7 @@ void Stats::reset() {
   nodes_collected = 0;
   peak_bytes = 0;
   auto_flushes = 0;
+  pipelined_flushes = 0;
   outputs_copied = 0;
   predicted_peak_bytes = 0;
   splits = 0;
@@ -172,6 +175,8 @@ static Config* make_config() {
     }
   }
   if (std::optional<bool> v = env_flag("LAZYMEM_CHECK_TAPE")) c->check_tape = *v;
+  if (std::optional<bool> v = env_flag("LAZYMEM_PIPELINE")) c->pipeline = *v ? 1 : 0;
+  if (std::optional<uint64_t> n = env_count("LAZYMEM_PIPELINE_BATCH")) c->pipeline_batch = std::max<uint64_t>(*n, 1);
   if (std::optional<bool> v = env_flag("LAZYMEM_CHECK_BOUNDARY")) c->check_boundary = *v;
   if (std::optional<uint64_t> n = env_count("LAZYMEM_FLUSH_NODES")) c->flush_threshold_nodes = *n;
   if (const char* b = std::getenv("LAZYMEM_FLUSH_BYTES")) {

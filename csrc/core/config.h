@@ -24,6 +24,7 @@ struct Stats {
   std::atomic<uint64_t> nodes_collected{0}; // pending nodes dropped because nobody could read them
   std::atomic<int64_t> peak_bytes{0};        // peak device bytes during the last materialization
   std::atomic<uint64_t> auto_flushes{0};
+  std::atomic<uint64_t> pipelined_flushes{0}; // batches the pipeline's worker ran while recording went on
   std::atomic<uint64_t> outputs_copied{0};   // kernel results copied into their buffer (layout differed)
   std::atomic<int64_t> predicted_peak_bytes{0}; // the memory model's peak for the last materialization
   std::atomic<uint64_t> splits{0};           // materializations that split along the batch
@@ -70,6 +71,11 @@ struct Config {
   std::atomic<uint64_t> flush_threshold_nodes{50000};
   // Auto-flush when the pending program would allocate this many new bytes (0 = never).
   std::atomic<uint64_t> flush_threshold_bytes{0};
+  // Pipelined execution (sync/sync.cpp Pipeline): 1 on, 0 off (the default until it is measured
+  // faster: see the README's speed section). LAZYMEM_PIPELINE=0/1, torch_lazymem.set_pipeline().
+  std::atomic<int> pipeline{0};
+  // Nodes per pipelined batch (LAZYMEM_PIPELINE_BATCH; small values stress the worker in tests).
+  std::atomic<uint64_t> pipeline_batch{1024};
   // Meta-inference cache entries kept before the cache is cleared (LAZYMEM_META_CACHE_SIZE).
   std::atomic<uint64_t> meta_cache_capacity{1u << 16};
   // Bytes lazymem may hold on the backing device (-1: its free memory, or the simulated capacity).

@@ -51,6 +51,9 @@ struct FlushHooks {
   // the user set (installed by the Python bindings, for the same reason; execute/memory.h's
   // ScopedAllocatorCap).
   std::function<void(c10::Device, double fraction)> set_allocator_fraction;
+  // Runs `wait` (a blocking wait for the flush lock) without the GIL when this thread holds it
+  // (installed by the Python bindings; sync/sync.cpp acquire_flush).
+  std::function<void(const std::function<void()>& wait)> without_gil;
 };
 FlushHooks& flush_hooks();
 inline void flush_until(uint64_t seq) {

@@ -112,6 +112,12 @@ uint64_t Program::last_seq() {
   return pending_.empty() ? 0 : pending_.back()->seq;
 }
 
+uint64_t Program::seq_at(size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (pending_.empty()) return 0;
+  return n < pending_.size() ? pending_[n]->seq : pending_.back()->seq;
+}
+
 size_t Program::collect_dead() {
   std::vector<NodePtr> dead; // destroyed after the lock: their buffers' storage goes with them
   std::lock_guard<std::mutex> lock(mu_);

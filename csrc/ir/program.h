@@ -50,6 +50,8 @@ class Program {
   // Seq of the pending node that last writes `b`, or 0 when no pending node writes it.
   uint64_t pending_writer(const LazyBuffer& b);
   uint64_t last_seq();
+  // Seq of the n-th pending node (from 0), or of the last one when fewer are pending (0: none).
+  uint64_t seq_at(size_t n);
   // Lock-free reads (atomics written under the lock): the auto-flush check runs after every record.
   size_t pending_count() const {
     return pending_size_.load(std::memory_order_relaxed);

@@ -26,6 +26,7 @@
 #include "plan/workspace.h"
 #include "record/meta.h"
 #include "record/recorder.h"
+#include "sync/sync.h"
 
 namespace py = pybind11;
 using namespace lazymem;
@@ -215,6 +216,20 @@ PYBIND11_MODULE(_C, m) {
     config().flush_threshold_nodes = nodes;
     config().flush_threshold_bytes = bytes;
   });
+  m.def("_set_pipeline", [](bool on) { config().pipeline = on ? 1 : 0; });
+  m.def("_pipeline", [] { return config().pipeline.load() > 0; });
+  m.def("_pipeline_drain", [] {
+    py::gil_scoped_release nogil;
+    pipeline_drain();
+  });
+  flush_hooks().without_gil = [](const std::function<void()>& wait) {
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      wait();
+    } else {
+      wait();
+    }
+  };
   m.def("_flush_threshold", [] {
     return std::make_pair(config().flush_threshold_nodes.load(), config().flush_threshold_bytes.load());
   });

@@ -4,9 +4,11 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_set>
 
 #include "core/check.h"
@@ -40,6 +42,111 @@ struct InFlush {
   ~InFlush() {
     t_in_flush = false;
   }
+};
+
+// Takes the flush lock. A thread that must wait for it (another thread is materializing) waits
+// without the GIL when it holds it (FlushHooks::without_gil): the materializing thread may need the
+// GIL (a callback into Python), and the pipeline's worker holds the flush lock without it.
+std::unique_lock<std::mutex> acquire_flush() {
+  std::unique_lock<std::mutex> lk(g_flush_mu, std::try_to_lock);
+  if (lk.owns_lock()) return lk;
+  if (flush_hooks().without_gil) {
+    flush_hooks().without_gil([&] { lk.lock(); });
+  } else {
+    lk.lock();
+  }
+  return lk;
+}
+
+// Pipelined execution (issue 30 item 1): once a materialization has shown that the program runs
+// unsplit with room to spare, what is recorded next is handed, a batch of nodes at a time, to a
+// worker thread that plans and runs it while the recording thread goes on recording. Each batch is a
+// flush like the auto-flush's (its plan frees what nothing pending or held reads; every kernel is
+// eager's, in program order), so results are the ones a synchronous flush gives. A materialization
+// that splits, runs out of memory or comes close to the budget disarms it; the next one that fits
+// with room arms it again.
+class Pipeline {
+ public:
+  static Pipeline& get() {
+    static Pipeline* p = new Pipeline(); // never destroyed: its thread may outlive static destructors
+    return *p;
+  }
+
+  // After a materialization on a recording thread: whether the next steps may be pipelined.
+  void rearm(bool fits_with_room) {
+    armed_.store(fits_with_room && enabled(), std::memory_order_relaxed);
+  }
+  void disarm() {
+    armed_.store(false, std::memory_order_relaxed);
+  }
+
+  // After each record: hands what is pending to the worker once a batch has accumulated.
+  void maybe_hand_off() {
+    if (!armed_.load(std::memory_order_relaxed) || t_in_flush || !enabled()) return;
+    Program& p = Program::get();
+    const size_t batch = config().pipeline_batch.load(std::memory_order_relaxed);
+    if (p.pending_count() < batch) return;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (busy_ || upto_) return;
+      // Batches of a fixed size from the last materialization on: the same batches step after step,
+      // so their plans are the plan cache's.
+      upto_ = p.seq_at(batch - 1);
+      if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
+    }
+    cv_.notify_one();
+  }
+
+  // Waits until the worker is idle (the process exits; tests).
+  void drain() {
+    std::unique_lock<std::mutex> lk(mu_);
+    idle_.wait(lk, [&] { return !busy_ && !upto_; });
+  }
+
+  // An error a background flush met (a kernel's, or a lazymem error), raised by the next flush that
+  // needs everything (synchronize, generator state); a read raises its own values' errors.
+  std::exception_ptr take_error() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return std::exchange(error_, nullptr);
+  }
+
+  static bool enabled() {
+    return config().pipeline.load(std::memory_order_relaxed) > 0 &&
+           config().force_chunks.load(std::memory_order_relaxed) <= 0;
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      cv_.wait(lk, [&] { return upto_ != 0; });
+      const uint64_t upto = upto_;
+      busy_ = true;
+      lk.unlock();
+      std::exception_ptr err;
+      try {
+        sync(SyncRequest{{}, upto, /*keep_pending=*/true, /*background=*/true});
+      } catch (const c10::OutOfMemoryError&) {
+        disarm(); // what did not run is pending again: the next materialization plans it
+      } catch (...) {
+        err = std::current_exception();
+        disarm();
+      }
+      lk.lock();
+      if (err && !error_) error_ = err;
+      busy_ = false;
+      upto_ = 0;
+      idle_.notify_all();
+    }
+  }
+
+  std::atomic<bool> armed_{false};
+  std::mutex mu_;
+  std::condition_variable cv_, idle_;
+  uint64_t upto_ = 0;
+  bool busy_ = false;
+  std::exception_ptr error_;
+  std::thread worker_;
 };
 
 const bool g_hooks_installed = [] {
@@ -176,6 +283,14 @@ size_t put_back_all(Segment& seg, uint64_t epoch) {
                    "tensors, then read the value again)");
 }
 
+// A batch the pipeline's worker does not run (run_segment): nothing ran, every node is pending
+// again, and pipelining stops until the recording thread's next materialization.
+bool give_back_batch(Segment& seg) {
+  Pipeline::get().disarm();
+  put_back_all(seg, 0);
+  return false;
+}
+
 // The plan and what was measured, as torch_lazymem.explain() prints it.
 void remember(const Plan& plan, const ExecOutcome& out, double ms, double plan_ms) {
   std::string text = plan.to_string();
@@ -195,6 +310,14 @@ void remember(const Plan& plan, const ExecOutcome& out, double ms, double plan_m
 // process held for a moment, an injected failure).
 bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   init_backing_device(); // kernels allocate their outputs themselves
+  if (req.background) {
+    // The pipeline's worker runs eager's kernels in program order only: a batch holding a random op
+    // (its draws are ordered against ops recorded meanwhile) waits for the recording thread's next
+    // materialization, and so does the rest of the step.
+    for (const auto& n : seg.nodes) {
+      if (n->random) return give_back_batch(seg);
+    }
+  }
   PlanInput in;
   in.nodes.reserve(seg.nodes.size());
   for (const auto& n : seg.nodes) in.nodes.push_back(n.get());
@@ -221,6 +344,11 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
     plan = make_plan(in);
   }
   const auto planned = std::chrono::steady_clock::now();
+  if (req.background && (plan.split || !plan.retained.empty() || (in.budget >= 0 && plan.predicted_peak > in.budget / 2))) {
+    // Not an unsplit plan with room: the worker leaves it to the recording thread's next materialization.
+    recycle_plan(std::move(plan));
+    return give_back_batch(seg);
+  }
   if (in.budget >= 0 && plan.predicted_peak > in.budget && !budget_enforced()) refuse_over_budget(seg, plan, budget, in.budget);
   if (budget >= 0 && !plan.reused && !in.cpu_backing) release_cached_blocks(budget - plan.predicted_peak);
   stats().plan_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(planned - t0).count(),
@@ -231,6 +359,7 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   for (const auto& n : seg.nodes) {
     if (n->random && !n->drawn && rng_form_draws(n->rng_form)) random_nodes.push_back(n.get());
   }
+  if (req.background) stats().pipelined_flushes.fetch_add(1, std::memory_order_relaxed);
   ExecOutcome out;
   {
     ScopedAllocatorCap cap(budget); // the caching allocator holds the run to the budget (CUDA)
@@ -268,6 +397,7 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
     return true;
   }
   if (out.oom) {
+    Pipeline::get().disarm();
     std::string why;
     for (const std::string& n : plan.notes) why += n + ". ";
     if (!out.torn.empty()) {
@@ -296,6 +426,13 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
       std::rethrow_exception(annotate_node_error(e, prefix));
     }
   }
+  // Pipelining: armed by a run that fit unsplit in half the budget, disarmed by any other.
+  const bool roomy = !plan.split && !out.oom && (in.budget < 0 || out.peak <= in.budget / 2);
+  if (!req.background) {
+    Pipeline::get().rearm(roomy);
+  } else if (!roomy) {
+    Pipeline::get().disarm();
+  }
   // A read raises only its own values' errors (materialize checks them); flushes that need
   // everything (synchronize, auto-flush, generator state) raise the first one.
   recycle_plan(std::move(plan)); // (its next instantiation patches it instead of copying)
@@ -309,8 +446,11 @@ void sync(const SyncRequest& req) {
   if (req.upto == 0) return;
   LAZYMEM_CHECK(!t_in_flush, "a lazymem value was needed while lazymem was already materializing on "
                 "this thread (for example from a kernel or a hook run during replay); this is not supported");
-  std::lock_guard<std::mutex> lock(g_flush_mu);
+  std::unique_lock<std::mutex> lock = acquire_flush();
   InFlush guard;
+  if (!req.background && req.needed.empty()) {
+    if (std::exception_ptr e = Pipeline::get().take_error()) std::rethrow_exception(e);
+  }
   for (int attempt = 0;; ++attempt) {
     Segment seg = Program::get().take_prefix(req.upto);
     if (seg.nodes.empty()) return;
@@ -331,7 +471,7 @@ void synchronize_all() {
 
 std::unique_lock<std::mutex> lock_flush() {
   LAZYMEM_CHECK(!t_in_flush, "a lazymem value was read while lazymem was materializing on this thread");
-  return std::unique_lock<std::mutex>(g_flush_mu);
+  return acquire_flush();
 }
 
 void materialize(const std::vector<LazyBuffer*>& bufs) {
@@ -340,7 +480,7 @@ void materialize(const std::vector<LazyBuffer*>& bufs) {
   // A value that is needed runs with everything recorded so far: the rest of a training step runs in
   // the same plan (a split runs it in the same chunk loop) instead of storing what it will read.
   if (pending) sync(SyncRequest{bufs, Program::get().last_seq(), /*keep_pending=*/true});
-  std::lock_guard<std::mutex> lock(g_flush_mu);
+  std::unique_lock<std::mutex> lock = acquire_flush();
   for (LazyBuffer* b : bufs) {
     if (b->poison) std::rethrow_exception(b->poison);
   }
@@ -351,7 +491,12 @@ std::string last_plan() {
   return g_explain;
 }
 
+void pipeline_drain() {
+  Pipeline::get().drain();
+}
+
 void maybe_auto_flush() {
+  Pipeline::get().maybe_hand_off();
   const Config& c = config();
   uint64_t max_nodes = c.flush_threshold_nodes.load(std::memory_order_relaxed);
   uint64_t max_bytes = c.flush_threshold_bytes.load(std::memory_order_relaxed);

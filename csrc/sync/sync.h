@@ -24,6 +24,7 @@ struct SyncRequest {
   std::vector<LazyBuffer*> needed;
   uint64_t upto = UINT64_MAX;
   bool keep_pending = true;
+  bool background = false; // the pipeline's worker (no GIL; no thread waits on it)
 };
 void sync(const SyncRequest& req);
 
@@ -39,6 +40,8 @@ void materialize(const std::vector<LazyBuffer*>& bufs);
 std::unique_lock<std::mutex> lock_flush();
 // Runs everything pending when the auto-flush thresholds are exceeded (called after each record).
 void maybe_auto_flush();
+// Waits until the pipeline's worker has run what it was handed (exit; tests).
+void pipeline_drain();
 // The last materialization's plan as text, with its measured peak (torch_lazymem.explain).
 std::string last_plan();
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 # Every plan checks that the program's tape, kept as nodes are recorded, equals one built from the
 # nodes (csrc/ir/tape.h): a stale tape would hand out another program's plan.
@@ -10,7 +11,7 @@ os.environ.setdefault("LAZYMEM_CHECK_TAPE", "1")
 # Kernels are handed device memory only (DESIGN.md §3, execute/transfer.h): checked in every test.
 os.environ.setdefault("LAZYMEM_CHECK_BOUNDARY", "1")
 
-from typing import Any  # noqa: E402
+from typing import Any, Callable  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -47,6 +48,25 @@ def _clean_program():
         torch.lazymem.synchronize()
     except Exception:  # noqa: BLE001 - a test that left a failing op pending has already failed
         pass
+
+
+def run_in_threads(target: Callable[[int], None], count: int, timeout: float = 120) -> None:
+    """Runs target(0) ... target(count - 1) on as many threads at once; raises what any of them raised."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            target(i)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not any(t.is_alive() for t in threads), f"threads still running after {timeout} s"
+    assert not errors, errors
 
 
 def assert_bitwise(lazy: torch.Tensor, expected: torch.Tensor) -> None:
