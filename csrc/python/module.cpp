@@ -172,6 +172,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("_reset_peak_memory_stats", [] { device_counter().reset_peak(); });
   m.def("_device_capacity", [] { return device_counter().capacity(); });
   m.def("_set_device_capacity", [](int64_t bytes) {
+    {
+      py::gil_scoped_release nogil; // a pipelined batch planned under the old capacity ends first
+      pipeline_drain();
+    }
     if (bytes >= 0) {
       LAZYMEM_CHECK(install_counting_cpu_allocator(), "the simulated device needs lazymem's counting CPU allocator, ",
                     "but another CPU allocator with a higher priority is installed");
@@ -234,7 +238,13 @@ PYBIND11_MODULE(_C, m) {
     return std::make_pair(config().flush_threshold_nodes.load(), config().flush_threshold_bytes.load());
   });
 
-  m.def("_set_memory_budget", [](int64_t bytes) { config().memory_budget = bytes; });
+  m.def("_set_memory_budget", [](int64_t bytes) {
+    {
+      py::gil_scoped_release nogil; // a pipelined batch planned under the old budget ends first
+      pipeline_drain();
+    }
+    config().memory_budget = bytes;
+  });
   m.def("_user_memory_budget", [] { return config().memory_budget.load(); });
   m.def("_memory_budget", [] { return memory_budget(); });
   m.def("_set_force_chunks", [](int64_t n) { config().force_chunks = n; });

@@ -310,14 +310,6 @@ void remember(const Plan& plan, const ExecOutcome& out, double ms, double plan_m
 // process held for a moment, an injected failure).
 bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   init_backing_device(); // kernels allocate their outputs themselves
-  if (req.background) {
-    // The pipeline's worker runs eager's kernels in program order only: a batch holding a random op
-    // (its draws are ordered against ops recorded meanwhile) waits for the recording thread's next
-    // materialization, and so does the rest of the step.
-    for (const auto& n : seg.nodes) {
-      if (n->random) return give_back_batch(seg);
-    }
-  }
   PlanInput in;
   in.nodes.reserve(seg.nodes.size());
   for (const auto& n : seg.nodes) in.nodes.push_back(n.get());
@@ -345,7 +337,9 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   }
   const auto planned = std::chrono::steady_clock::now();
   if (req.background && (plan.split || !plan.retained.empty() || (in.budget >= 0 && plan.predicted_peak > in.budget / 2))) {
-    // Not an unsplit plan with room: the worker leaves it to the recording thread's next materialization.
+    // Not an unsplit plan with room: the worker runs eager's kernels in program order only, and
+    // leaves this batch to the recording thread's next materialization. (Split plans run on the
+    // worker while recording went on drew wrong random numbers in the forced-chunk RNG tests.)
     recycle_plan(std::move(plan));
     return give_back_batch(seg);
   }

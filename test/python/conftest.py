@@ -43,6 +43,9 @@ def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest's hoo
 def _clean_program():
     torch.lazymem.synchronize()
     torch_lazymem.reset_stats()
+    # The device's peak too: under two pytest workers a test that reads max_memory_allocated() may
+    # follow any other test in its process (one that peaked above its cap failed it).
+    torch.lazymem.reset_peak_memory_stats()
     yield
     try:
         torch.lazymem.synchronize()
