@@ -84,6 +84,12 @@ void synchronize() {
   if (!d.is_cpu()) c10::impl::VirtualGuardImpl(d.type()).synchronizeDevice(d.index());
 }
 
+// Waits, without the GIL, until the pipeline's worker has run what it was handed.
+void drain_pipeline() {
+  py::gil_scoped_release nogil;
+  pipeline_drain();
+}
+
 void set_backing_device(const std::string& name) {
   c10::Device d(name);
   LAZYMEM_CHECK_VALUE(d.is_cpu() || d.is_cuda(), "the backing device must be 'cpu' or 'cuda[:N]', got '", name, "'");
@@ -172,10 +178,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("_reset_peak_memory_stats", [] { device_counter().reset_peak(); });
   m.def("_device_capacity", [] { return device_counter().capacity(); });
   m.def("_set_device_capacity", [](int64_t bytes) {
-    {
-      py::gil_scoped_release nogil; // a pipelined batch planned under the old capacity ends first
-      pipeline_drain();
-    }
+    drain_pipeline(); // a pipelined batch planned under the old capacity ends first
     if (bytes >= 0) {
       LAZYMEM_CHECK(install_counting_cpu_allocator(), "the simulated device needs lazymem's counting CPU allocator, ",
                     "but another CPU allocator with a higher priority is installed");
@@ -222,10 +225,7 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_set_pipeline", [](bool on) { config().pipeline = on ? 1 : 0; });
   m.def("_pipeline", [] { return config().pipeline.load() > 0; });
-  m.def("_pipeline_drain", [] {
-    py::gil_scoped_release nogil;
-    pipeline_drain();
-  });
+  m.def("_pipeline_drain", drain_pipeline);
   flush_hooks().without_gil = [](const std::function<void()>& wait) {
     if (Py_IsInitialized() && PyGILState_Check()) {
       py::gil_scoped_release nogil;
@@ -239,10 +239,7 @@ PYBIND11_MODULE(_C, m) {
   });
 
   m.def("_set_memory_budget", [](int64_t bytes) {
-    {
-      py::gil_scoped_release nogil; // a pipelined batch planned under the old budget ends first
-      pipeline_drain();
-    }
+    drain_pipeline(); // a pipelined batch planned under the old budget ends first
     config().memory_budget = bytes;
   });
   m.def("_user_memory_budget", [] { return config().memory_budget.load(); });

@@ -86,9 +86,11 @@ class Pipeline {
     Program& p = Program::get();
     const size_t batch = config().pipeline_batch.load(std::memory_order_relaxed);
     if (p.pending_count() < batch) return;
+    if (handed_.load(std::memory_order_relaxed)) return; // the worker has a batch: no lock per record
     {
       std::lock_guard<std::mutex> lk(mu_);
       if (busy_ || upto_) return;
+      handed_.store(true, std::memory_order_relaxed);
       // Batches of a fixed size from the last materialization on: the same batches step after step,
       // so their plans are the plan cache's.
       upto_ = p.seq_at(batch - 1);
@@ -136,11 +138,13 @@ class Pipeline {
       if (err && !error_) error_ = err;
       busy_ = false;
       upto_ = 0;
+      handed_.store(false, std::memory_order_relaxed);
       idle_.notify_all();
     }
   }
 
   std::atomic<bool> armed_{false};
+  std::atomic<bool> handed_{false}; // from a hand-off until the worker has run it (read unlocked)
   std::mutex mu_;
   std::condition_variable cv_, idle_;
   uint64_t upto_ = 0;
