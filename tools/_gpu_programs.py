@@ -30,6 +30,10 @@ GPT_FP32, GPT_SPLIT, GPT_BF16 = size(((4, 16, 128), (2, 16, 128), (2, 16, 128)),
 # The split check's vocabulary: small enough that activations, not the embedding's gradient (whole in
 # every chunk), set the peak, so that splitting lowers it.
 SPLIT_VOCAB = size(2048, 512)
+# Issue 30's speed rows: (name, layers, model config, batch, tokens), AdamW steps at eager's batch.
+SPEED = size([("gpt2 4x256 16x128", 4, {}, 16, 128), ("gpt2 4x256 64x256", 4, {}, 64, 256),
+              ("gpt2-small 12x768 16x512", 12, dict(n_embd=768, n_head=12, n_positions=512), 16, 512)],
+             [("gpt2 2x32 4x16", 2, {}, 4, 16)])
 
 
 
@@ -70,7 +74,8 @@ def gpt2(n_layer: int, dtype: torch.dtype = torch.float32, **config: Any) -> nn.
 
     config = {**GPT, **config}
     last = config["vocab_size"] - 1  # GPT-2's <|endoftext|> is 50256: inside a smaller vocabulary
-    cfg = transformers.GPT2Config(n_layer=n_layer, n_positions=256, attn_pdrop=0.0, resid_pdrop=0.0,
+    config.setdefault("n_positions", 256)
+    cfg = transformers.GPT2Config(n_layer=n_layer, attn_pdrop=0.0, resid_pdrop=0.0,
                                   embd_pdrop=0.0, attn_implementation="sdpa", bos_token_id=last,
                                   eos_token_id=last, **config)
     torch.manual_seed(0)

@@ -190,7 +190,7 @@ def main() -> None:
         ap["batches"] = torch_lazymem.stats()["pipelined_flushes"]
     finally:
         torch_lazymem._C._pipeline_drain()
-        torch_lazymem.set_pipeline(False)
+        torch_lazymem.set_pipeline(None)
     b = bench_mlp(batch, width, layers, mlp_reps)
     total = time.perf_counter() - start
 

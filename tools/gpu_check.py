@@ -18,6 +18,10 @@ Prints a markdown table, one row per check (ok / FAIL / skip, and its figures):
    reserved memory against the cap, chunks and out-of-memory retries.
 9. tiny ops: time per op of 4,000 pointwise ops on 1,024 elements, eager CUDA and lazymem, then lazymem
    again with pipelined execution (torch_lazymem.set_pipeline(True)); all three values equal.
+10. step time, issue 30's rows (GPT-2 4x256 at 16x128 and 64x256 tokens, GPT-2 small at 16x512):
+   the first step, the median of 5 AdamW steps (loss.item() after each) and of 5 pipelined ones,
+   eager's and lazymem's time per step and their ratio; all 11 losses bitwise equal to eager's (or,
+   where eager's own losses differ run to run, within 10x of that spread).
 
 Eager CUDA runs in worker processes that never import torch_lazymem (importing it may break eager
 CUDA autograd in the same process: pytorch issue 161129), lazymem in others; both save their results
@@ -52,12 +56,14 @@ from _gpu_programs import (
     GPT_FP32,
     GPT_SPLIT,
     SMOKE,
+    SPEED,
     SPLIT_VOCAB,
     Result,
     bitwise,
     diff,
     finish,
     gpt2,
+    lazy_stats,
     lm_loss,
     mlp,
     mlp_data,
@@ -315,8 +321,18 @@ def eager_cap(model: nn.Module, opt: torch.optim.Optimizer) -> Result:
     ids = token_ids(good, 256).cuda()
     timed_step(model, opt, ids)
     torch.cuda.reset_peak_memory_stats()
+    before = allocator_counts()
     return {"batch": good, "step_s": statistics.mean(timed_step(model, opt, ids) for _ in range(3)),
-            "reserved": torch.cuda.max_memory_reserved()}
+            "reserved": torch.cuda.max_memory_reserved(), "allocated": torch.cuda.max_memory_allocated(),
+            "allocator": allocator_counts(before)}
+
+
+def allocator_counts(since: dict[str, int] | None = None) -> dict[str, int]:
+    """The caching allocator's cudaMalloc/cudaFree calls and its out-of-memory retries (since `since`):
+    a step that frees and allocates segments again waits for the GPU each time."""
+    st = torch.cuda.memory_stats()
+    now = {k: int(st.get(k, 0)) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")}
+    return {k: v - (since or {}).get(k, 0) for k, v in now.items()}
 
 
 def lazy_cap(model: nn.Module, opt: torch.optim.Optimizer) -> Result:
@@ -338,8 +354,11 @@ def lazy_cap(model: nn.Module, opt: torch.optim.Optimizer) -> Result:
         torch.cuda.reset_peak_memory_stats()
         lazymem.reset_stats()
         times, chunks, peak, predicted, first_retries = [], 0, 0, 0, 0
+        counts = allocator_counts()
         try:
-            for _ in range(3):
+            for i in range(3):
+                if i == 1:
+                    counts = allocator_counts()  # the later steps
                 times.append(timed_step(model, opt, ids))
                 st = lazymem.stats()
                 chunks, peak = max(chunks, st["chunks"]), max(peak, st["peak_bytes"])
@@ -353,14 +372,17 @@ def lazy_cap(model: nn.Module, opt: torch.optim.Optimizer) -> Result:
                             "allocated": torch.cuda.max_memory_allocated(), "predicted": predicted,
                             "budget": lazymem.memory_budget(), "peak": peak, "chunks": chunks,
                             "oom_retries": lazymem.stats()["oom_retries"], "first_retries": first_retries,
-                            "caps": lazymem.stats()["allocator_caps"],
+                            "caps": lazymem.stats()["allocator_caps"], "allocator": allocator_counts(counts),
+                            "plan_ms": lazymem.stats()["plan_ns"] / 1e6,
                             "fraction_after": torch.cuda.get_per_process_memory_fraction()}
     return runs
 
 
 def judge_cap(eager: Result, lazy: Result) -> tuple[str, Result]:
     figures: Result = {"eager batch": eager["batch"], "eager s/step": eager["step_s"],
-                       "eager reserved GiB": eager["reserved"] / GiB, "lazymem": lazy}
+                       "eager reserved GiB": eager["reserved"] / GiB,
+                       "eager allocated GiB": eager.get("allocated", 0) / GiB, "eager allocator": eager.get("allocator"),
+                       "lazymem": lazy}
     for mult, run in lazy.items():
         per_sample = (run["batch"] / run["step_s"]) / (eager["batch"] / eager["step_s"]) if "step_s" in run else 0
         figures[f"{mult} (B={run['batch']})"] = run.get("error") or (
@@ -392,16 +414,19 @@ def tiny_runs(device: str) -> tuple[float, torch.Tensor]:
 
 
 def item_tiny(side: str) -> Result:
-    us, value = tiny_runs(DEVICE[side])
-    out: Result = {"us_per_op": us, "value": value}
-    if side == "lazy":  # again with pipelined execution (torch_lazymem.set_pipeline)
-        lazymem = sys.modules["torch_lazymem"]
-        lazymem.set_pipeline(True)
-        try:
+    lazymem = sys.modules.get("torch_lazymem")
+    if lazymem:  # first without pipelining (on by default on a GPU), then with it
+        lazymem.set_pipeline(False)
+    try:
+        us, value = tiny_runs(DEVICE[side])
+        out: Result = {"us_per_op": us, "value": value}
+        if lazymem:
+            lazymem.set_pipeline(True)
             out["pipelined_us_per_op"], out["pipelined_value"] = tiny_runs(DEVICE[side])
             out["pipelined_flushes"] = lazymem.stats()["pipelined_flushes"]
-        finally:
-            lazymem.set_pipeline(False)
+    finally:
+        if lazymem:
+            lazymem.set_pipeline(None)
     return out
 
 
@@ -412,6 +437,93 @@ def judge_tiny(eager: Result, lazy: Result) -> tuple[str, Result]:
                       "pipelined us/op": lazy["pipelined_us_per_op"],
                       "pipelined/eager": lazy["pipelined_us_per_op"] / eager["us_per_op"],
                       "pipelined batches": lazy["pipelined_flushes"], "values equal": equal})
+
+
+def speed_steps(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, steps: int) -> Result:
+    """`steps` AdamW steps, loss.item() after each (as a user's loop reads its loss): each step's wall
+    time, the time until its loss was read (lazymem: its recording), and the losses."""
+    times, records, losses = [], [], []
+    for _ in range(steps):
+        finish(ids.device.type)
+        t0 = time.perf_counter()
+        loss, _ = lm_loss(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t1 = time.perf_counter()
+        losses.append(loss.item())
+        finish(ids.device.type)
+        times.append(time.perf_counter() - t0)
+        records.append(t1 - t0)
+    return {"times": times, "records": records, "losses": losses}
+
+
+def item_speed(side: str) -> Result:
+    """Issue 30's rows: per GPT-2, the first step, then 5 steps, then (lazymem) 5 pipelined steps;
+    eager runs the same 11 steps, so all losses compare bitwise."""
+    lazymem = sys.modules.get("torch_lazymem")
+    rows: Result = {}
+    for name, n_layer, config, batch, seq in SPEED:
+        model = gpt2(n_layer, **config).to(DEVICE[side])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ids = token_ids(batch, seq).to(DEVICE[side])
+        if lazymem:
+            lazymem.set_pipeline(False)
+        try:
+            first = speed_steps(model, opt, ids, 1)
+            st0 = lazy_stats()
+            plain = speed_steps(model, opt, ids, 5)
+            st1 = lazy_stats()
+            if lazymem:
+                lazymem.set_pipeline(True)
+                before = lazymem.stats()["pipelined_flushes"]
+            piped = speed_steps(model, opt, ids, 5)
+        finally:
+            if lazymem:
+                lazymem.set_pipeline(None)
+        rows[name] = {"first_s": first["times"][0], "step_s": statistics.median(plain["times"][1:]),
+                      "record_s": statistics.median(plain["records"][1:]),
+                      "piped_step_s": statistics.median(piped["times"][1:]),
+                      "piped_record_s": statistics.median(piped["records"][1:]),
+                      "losses": torch.tensor(first["losses"] + plain["losses"] + piped["losses"], dtype=torch.float64),
+                      "pipelined_flushes": lazymem.stats()["pipelined_flushes"] - before if lazymem else 0,
+                      # what 5 unpipelined steps cost in lazymem's counters (plans, cache hits, flushes, ...)
+                      "stats": {k: v - st0[k] for k, v in st1.items() if isinstance(v, (int, float))}}
+        if side == "eager":  # eager against itself: the same 3 steps from a fresh model
+            del model, opt
+            model = gpt2(n_layer, **config).to(DEVICE[side])
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            rows[name]["again"] = torch.tensor(speed_steps(model, opt, ids, 3)["losses"], dtype=torch.float64)
+        del model, opt, ids
+        finish(DEVICE[side])
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def judge_speed(eager: Result, lazy: Result) -> tuple[str, Result]:
+    figures: Result = {}
+    equal = True
+    for name, e in eager.items():
+        z = lazy[name]
+        same = torch.equal(e["losses"], z["losses"])
+        # Where eager differs from itself run to run (kernels that add with atomics), lazymem is held
+        # to eager's own spread, and the row says so.
+        spread = diff(e["losses"][:3], e["again"])
+        worst = diff(e["losses"], z["losses"])
+        equal &= same or (spread > 0 and worst <= 10 * spread)
+        if not same:
+            first_differing = int((e["losses"] != z["losses"]).nonzero()[0])
+            same_note = f"losses differ from step {first_differing} (max {worst:.3g}; eager against itself {spread:.3g})"
+        figures[name] = (
+            f"eager {e['step_s'] * 1e3:.1f} ms/step, lazymem {z['step_s'] * 1e3:.1f} ms "
+            f"({e['step_s'] / z['step_s']:.2f}x eager; recording {z['record_s'] * 1e3:.1f} ms), pipelined "
+            f"{z['piped_step_s'] * 1e3:.1f} ms ({e['step_s'] / z['piped_step_s']:.2f}x, {z['pipelined_flushes']} "
+            f"batches on the worker); first step {z['first_s'] * 1e3:.0f} ms vs eager's {e['first_s'] * 1e3:.0f}; "
+            + ("losses bitwise equal" if same else same_note))
+    numbers = {side: {name: {k: v for k, v in row.items() if k not in ("losses", "again")} for name, row in rows.items()}
+               for side, rows in (("eager", eager), ("lazy", lazy))}
+    return ok(equal, {**figures, "losses equal": equal, "times": numbers})
 
 
 @dataclasses.dataclass
@@ -434,10 +546,11 @@ CHECKS = {
     "opinfo": Check("7 OpInfo forward = eager (bitwise)", item_opinfo, judge_opinfo, 120),
     "cap": Check("8 real cap: 3 GiB", item_cap, judge_cap, 100, cuda_only=True),
     "tiny": Check("9 tiny ops", item_tiny, judge_tiny, 60),
+    "speed": Check("10 GPT-2 step time (issue 30's rows)", item_speed, judge_speed, 150),
 }
 # Workers, in this order: a fresh process for the checks of a process's first moments (1, 2) and for
 # the cap (8); the others share one worker per side. Eager runs first: lazymem's cap needs its batch.
-SHARED = ["mlp", "gpt2", "gpt2_split", "bf16", "opinfo", "tiny"]
+SHARED = ["mlp", "gpt2", "gpt2_split", "bf16", "opinfo", "tiny", "speed"]
 GROUPS = [("lazy", ["mixing"]), ("lazy", ["first_use"]), ("eager", SHARED), ("lazy", SHARED),
           ("eager", ["cap"]), ("lazy", ["cap"])]
 

@@ -71,22 +71,25 @@ def set_flush_threshold(nodes: int = 0, bytes: Union[int, str] = 0) -> None:
     _C._set_flush_threshold(operator.index(nodes), byte_size(bytes, "the flush threshold's bytes"))
 
 
-def set_pipeline(enabled: bool = True) -> None:
+def set_pipeline(enabled: bool | None = True) -> None:
     """Pipelined execution: once a materialization has run unsplit within half the memory budget, what
-    is recorded next runs on a worker thread, 1,024 ops at a time, while the recording thread goes on
-    recording. Each batch runs as an auto-flush would (eager's kernels in program order, with its own
-    plan), so results are unchanged. A materialization that splits, runs out of memory or comes close
-    to the budget turns it off until one fits with room again. Off by default: on the 2-core CPU
-    machines it has been measured on, recording slowed by as much as the overlap gained; it is not
-    yet measured on a GPU. Also ``LAZYMEM_PIPELINE=1``. An error a kernel raises on the worker
-    surfaces at the next read of what it computed, or at the next ``synchronize()``."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"lazymem: set_pipeline expects True or False, got {enabled!r}")
-    _C._set_pipeline(enabled)
+    is recorded next runs on a worker thread, a batch of ops at a time, while the recording thread
+    goes on recording. Each batch runs as an auto-flush would (eager's kernels in program order, with
+    its own plan), so results are unchanged. A materialization that splits, runs out of memory or
+    comes close to the budget turns it off until one fits with room again. ``None`` (the default):
+    on where the backing device is a GPU, whose kernels run asynchronously, so that the GPU works
+    while the step is still being recorded, as in eager; off on the CPU backing, where on the 2-core
+    machines it was measured on, recording slowed by as much as the overlap gained. Also
+    ``LAZYMEM_PIPELINE=0/1`` (``LAZYMEM_PIPELINE_BATCH``: ops per batch, 64 on a GPU and 1,024 on the
+    CPU by default). An error a kernel raises on the worker surfaces at the next read of what it
+    computed, or at the next ``synchronize()``."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"lazymem: set_pipeline expects True, False or None, got {enabled!r}")
+    _C._set_pipeline(-1 if enabled is None else int(enabled))
 
 
 def pipeline() -> bool:
-    """Whether pipelined execution is on (see set_pipeline)."""
+    """Whether pipelined execution is on for the backing device in use (see set_pipeline)."""
     return bool(_C._pipeline())
 
 

@@ -71,11 +71,14 @@ struct Config {
   std::atomic<uint64_t> flush_threshold_nodes{50000};
   // Auto-flush when the pending program would allocate this many new bytes (0 = never).
   std::atomic<uint64_t> flush_threshold_bytes{0};
-  // Pipelined execution (sync/sync.cpp Pipeline): 1 on, 0 off (the default until it is measured
-  // faster: see the README's speed section). LAZYMEM_PIPELINE=0/1, torch_lazymem.set_pipeline().
-  std::atomic<int> pipeline{0};
-  // Nodes per pipelined batch (LAZYMEM_PIPELINE_BATCH; small values stress the worker in tests).
-  std::atomic<uint64_t> pipeline_batch{1024};
+  // Pipelined execution (sync/sync.cpp Pipeline): 1 on, 0 off, -1 (the default) on where the backing
+  // device is an accelerator (its kernels run asynchronously: the worker only launches them) and off
+  // on the CPU backing (measured no faster on 2 cores: see the README's speed section).
+  // LAZYMEM_PIPELINE=0/1, torch_lazymem.set_pipeline().
+  std::atomic<int> pipeline{-1};
+  // Nodes per pipelined batch (LAZYMEM_PIPELINE_BATCH; small values stress the worker in tests);
+  // 0: kPipelineBatchAccelerator on an accelerator, kPipelineBatchCpu on the CPU.
+  std::atomic<uint64_t> pipeline_batch{0};
   // Meta-inference cache entries kept before the cache is cleared (LAZYMEM_META_CACHE_SIZE).
   std::atomic<uint64_t> meta_cache_capacity{1u << 16};
   // Bytes lazymem may hold on the backing device (-1: its free memory, or the simulated capacity).

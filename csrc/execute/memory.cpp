@@ -333,7 +333,11 @@ int64_t memory_budget() {
     if (fraction < 1.0) {
       can_give = std::min(can_give, static_cast<int64_t>(fraction * static_cast<double>(total)) - allocated);
     }
-    return with_margin(std::max<int64_t>(0, can_give) + lazymem_device_bytes());
+    // The margin is for what may allocate on the device beside lazymem's measured values and
+    // workspaces: a library's workspace a first kernel makes, another thread's tensors. The
+    // allocator's own overhead is plan_target's, and the allocator is capped at the budget.
+    const int64_t avail = std::max<int64_t>(0, can_give) + lazymem_device_bytes();
+    return std::max<int64_t>(0, avail - std::max<int64_t>(int64_t{64} << 20, avail / 50));
   } catch (const c10::Error&) {
   }
 #endif
@@ -347,10 +351,18 @@ bool budget_enforced() {
   return cap >= 0 && (user < 0 || user >= cap);
 }
 
+namespace {
+constexpr int64_t kSegmentSlack = int64_t{22} << 20; // one 20 MiB large-pool and one 2 MiB small-pool segment
+} // namespace
+
 int64_t plan_target(int64_t budget) {
   if (budget < 0 || backing_device().is_cpu()) return budget;
-  constexpr int64_t kSegmentSlack = int64_t{22} << 20; // one 20 MiB large-pool and one 2 MiB small-pool segment
-  return std::max<int64_t>(0, budget - std::max(budget / 10, kSegmentSlack));
+  return std::max<int64_t>(0, budget - std::max(budget / 7, kSegmentSlack));
+}
+
+int64_t whole_plan_target(int64_t budget) {
+  if (budget < 0 || backing_device().is_cpu()) return budget;
+  return std::max<int64_t>(0, budget - kSegmentSlack);
 }
 
 int64_t release_cached_blocks(int64_t headroom) {
@@ -396,7 +408,7 @@ int64_t lazymem_device_bytes() {
   return resident_bytes() + library_bytes();
 }
 
-ScopedAllocatorCap::ScopedAllocatorCap(int64_t budget) {
+ScopedAllocatorCap::ScopedAllocatorCap(int64_t budget, bool enforce) {
   const c10::Device dev = backing_device();
   if (dev.is_cpu()) return;
   device_ = dev;
@@ -404,7 +416,7 @@ ScopedAllocatorCap::ScopedAllocatorCap(int64_t budget) {
     const int64_t allocated = allocated_on(dev);
     // Not lazymem's: what the process holds beyond lazymem's values and workspaces.
     unheld_before_ = allocated - resident_bytes();
-    if (budget < 0 || !flush_hooks().set_allocator_fraction) return;
+    if (budget < 0 || !enforce || !flush_hooks().set_allocator_fraction) return;
 #if LAZYMEM_TORCH_AT_LEAST(2, 9)
     const int64_t total = static_cast<int64_t>(c10::getDeviceAllocator(dev.type())->getMemoryInfo(dev.index()).second);
     if (total <= 0) return;

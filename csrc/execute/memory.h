@@ -104,7 +104,8 @@ int64_t worker_allocations();
 // Bytes lazymem may hold on the backing device, resident values included: the user's budget
 // (torch_lazymem.set_memory_budget / LAZYMEM_MEMORY_BUDGET), capped by the simulated device's
 // capacity; by default the capacity, or what the device can still give lazymem plus what lazymem
-// already holds, minus a margin (max(256 MiB, 10%)). On CUDA "can still give" is the caching
+// already holds, minus a margin: max(256 MiB, 10%) on the CPU, max(64 MiB, 2%) on CUDA, whose
+// allocator is capped at the budget while a plan near it runs. On CUDA "can still give" is the caching
 // allocator's: the device's free memory plus this process's cached free blocks, capped by the
 // per-process memory fraction (fraction x total, less what the process has allocated); on the CPU,
 // the host's available memory.
@@ -114,12 +115,19 @@ int64_t memory_budget();
 // would stop a plan from running over it, so a plan predicted over the budget is refused instead.
 bool budget_enforced();
 // What a plan may allocate at its peak under `budget` (-1: no budget). On a CUDA-like backing device,
-// the budget less max(10%, 22 MiB): the caching allocator reserves more than it hands out — a block
+// the budget less max(1/7, 22 MiB): the caching allocator reserves more than it hands out — a block
 // of 1 to 10 MiB takes a 20 MiB segment, a smaller one a 2 MiB segment, blocks cached for other sizes
 // (tools/gpu_check.py's capped runs reserved up to 1.14x their allocated peak) — and
 // torch.cuda.max_memory_reserved() is what must stay within the budget (ScopedAllocatorCap holds it
-// there). The CPU's counting allocator has no such overhead.
+// there). The CPU's counting allocator has no such overhead. That slack is for split plans, whose
+// chunk-sized blocks fragment the cache.
 int64_t plan_target(int64_t budget);
+// What an unsplit plan may allocate at its peak under `budget`: on a CUDA-like device the budget
+// less one 20 MiB and one 2 MiB segment. An unsplit plan allocates as eager would, in eager's order
+// (eager's own reserved peak was 2% above its allocated one under a 3 GiB cap), and the capped
+// allocator returns cached segments before it would run out (ScopedAllocatorCap); if it does run
+// out, the run is planned again split. So a program that fits is never split (issue 30 item 4).
+int64_t whole_plan_target(int64_t budget);
 // Before a new plan runs on a CUDA-like device: when the caching allocator holds more cached free
 // bytes than the plan leaves of its budget (`headroom`), they go back to the device (emptyCache).
 // Blocks cached for other shapes (an earlier batch size, another program) would otherwise add to
@@ -143,7 +151,10 @@ void set_device_memory_fraction(int64_t index, double fraction);
 // held to the same cap.
 class ScopedAllocatorCap {
  public:
-  explicit ScopedAllocatorCap(int64_t budget);
+  // `enforce` false: only measures (a plan predicted within half the budget leaves the allocator
+  // room for its own overhead; setting the fraction is a call into Python, which the pipeline's
+  // worker would have to wait for the GIL to make).
+  ScopedAllocatorCap(int64_t budget, bool enforce);
   ~ScopedAllocatorCap();
   ScopedAllocatorCap(const ScopedAllocatorCap&) = delete;
   ScopedAllocatorCap& operator=(const ScopedAllocatorCap&) = delete;

@@ -69,6 +69,7 @@ void fingerprint(const PlanInput& in, Fingerprint& fp) {
   fp.words = 0;
   fp.hash = 0;
   fp.budget = -1;
+  fp.whole_budget = -1;
   fp.cacheable = false;
   // The Program's tape when it describes exactly these nodes; else one built now (cold reads).
   thread_local Tape built;
@@ -147,6 +148,7 @@ void fingerprint(const PlanInput& in, Fingerprint& fp) {
   // The budget is not in the key (free memory moves a little between steps): a stored plan is
   // reused while its predicted peak fits and the budget has not grown much (see reuse_plan).
   fp.budget = in.budget;
+  fp.whole_budget = in.whole_budget;
   w.put(uint64_t{in.budget < 0});
   w.put_i(in.resident);
   w.put_i(in.force_chunks);

@@ -85,7 +85,7 @@ std::optional<Plan> nothing_runs(const PlanInput& in) {
 // A program over the budget whose per-tensor chains (an optimizer step's _foreach_ ops) run in
 // groups of tensors (plan/lanes.h): the fewest groups that fit, or as many as there are tensors.
 // The schedule and plan are replaced unless that raises the peak.
-void group_lanes(const PlanInput& in, const std::vector<const Node*>& nodes, Schedule& s, Plan& plan) {
+void group_lanes(const PlanInput& in, int64_t limit, const std::vector<const Node*>& nodes, Schedule& s, Plan& plan) {
   const std::vector<LaneChain> chains = find_lane_chains(nodes, s);
   size_t most = 0;
   for (const LaneChain& c : chains) most = std::max(most, c.lanes);
@@ -95,7 +95,7 @@ void group_lanes(const PlanInput& in, const std::vector<const Node*>& nodes, Sch
     run_lanes_in_groups(t, nodes, chains, groups);
     Plan p = whole_plan(in, t);
     p.predicted_peak = model_memory(p).peak(p);
-    if (p.predicted_peak <= in.budget || groups >= most) {
+    if (p.predicted_peak <= limit || groups >= most) {
       // (When even one tensor at a time does not make the whole fit, the batch is split next: its
       // final whole stage, the step, then holds one tensor's temporaries.)
       if (p.predicted_peak <= plan.predicted_peak) {
@@ -118,12 +118,14 @@ Plan plan_anew(const PlanInput& in) {
   const MemPoint* at = nullptr;
   plan.predicted_peak = model.peak(plan, &at);
   if (config().debug >= 3) model.annotate(plan);
-  if (in.budget >= 0 && plan.predicted_peak > in.budget) {
-    group_lanes(in, nodes, s, plan);
+  // Unsplit (lane groups are), a plan may use whole_budget; a split one, budget.
+  const int64_t whole = in.budget < 0 ? -1 : std::max(in.budget, in.whole_budget);
+  if (whole >= 0 && plan.predicted_peak > whole) {
+    group_lanes(in, whole, nodes, s, plan);
     model = model_memory(plan);
     plan.predicted_peak = model.peak(plan, &at);
   }
-  if (in.budget >= 0 && plan.predicted_peak > in.budget && in.force_chunks <= 0) {
+  if (whole >= 0 && plan.predicted_peak > whole && in.force_chunks <= 0) {
     // What does not fit may be only element-wise runs over one tensor's rows (an optimizer step
     // whose single parameter's temporaries do not fit): those in blocks of rows, the rest unsplit.
     Plan rows = whole_plan(in, s);
@@ -133,7 +135,7 @@ Plan plan_anew(const PlanInput& in) {
       plan = std::move(rows);
     }
   }
-  const bool over = in.budget >= 0 && plan.predicted_peak > in.budget;
+  const bool over = whole >= 0 && plan.predicted_peak > whole;
   if (!over && in.force_chunks <= 0) { // fits: eager's kernels in program order (element-wise runs maybe in blocks)
     note_unsplit_facts(in.nodes, s, in.needed, plan);
     return plan;

@@ -20,6 +20,9 @@ struct PlanInput {
   // chunk by chunk when something needs them) instead of storing them at full size.
   bool keep_pending = true;
   int64_t budget = -1;                                // bytes lazymem may hold (-1: unlimited)
+  // What an unsplit plan may hold at its peak (>= budget; -1: budget): the allocator's slack the
+  // budget leaves for a split plan's chunk-sized blocks is not needed by eager's own order.
+  int64_t whole_budget = -1;
   int64_t resident = 0;                               // device bytes held before the plan runs
   int64_t force_chunks = 0;                           // > 0: split every loop into this many chunks
   // The backing device is the CPU: random forms that follow the CPU's kernels are eager's there

@@ -245,7 +245,8 @@ std::optional<Plan> reuse_plan(const PlanInput& in, const Fingerprint& fp) {
   // more than a tenth (a fresh plan might then split less, or not at all).
   auto budget_ok = [&](const Template& t) {
     if (fp.budget < 0 || t.fp.budget == fp.budget) return true;
-    return t.plan.predicted_peak <= fp.budget && fp.budget <= t.fp.budget + t.fp.budget / 10;
+    const int64_t limit = t.plan.split ? fp.budget : std::max(fp.budget, fp.whole_budget);
+    return t.plan.predicted_peak <= limit && fp.budget <= t.fp.budget + t.fp.budget / 10;
   };
   for (; it != c.entries.end(); ++it) {
     if (it->fp.hash == fp.hash && it->fp.words == fp.words &&

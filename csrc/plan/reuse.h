@@ -25,6 +25,7 @@ struct Fingerprint {
   std::vector<LazyBuffer*> buffers;   // canonical numbering: first appearance, defs before uses
   std::vector<uint32_t> base;         // per buffer: the version of its first reference
   int64_t budget = -1;                // the planner's budget (compared apart from the key)
+  int64_t whole_budget = -1;          // what an unsplit plan may hold (PlanInput::whole_budget)
   bool cacheable = false;             // false: an argument the fingerprint cannot describe, a poison
 };
 

@@ -223,9 +223,13 @@ PYBIND11_MODULE(_C, m) {
     config().flush_threshold_nodes = nodes;
     config().flush_threshold_bytes = bytes;
   });
-  m.def("_set_pipeline", [](bool on) { config().pipeline = on ? 1 : 0; });
-  m.def("_pipeline", [] { return config().pipeline.load() > 0; });
+  m.def("_set_pipeline", [](int on) { config().pipeline = on > 0 ? 1 : on < 0 ? -1 : 0; });
+  m.def("_pipeline", [] {
+    const int on = config().pipeline.load();
+    return on > 0 || (on < 0 && !backing_device().is_cpu());
+  });
   m.def("_pipeline_drain", drain_pipeline);
+  m.def("_set_pipeline_batch", [](uint64_t n) { config().pipeline_batch = n; }); // 0: the default
   flush_hooks().without_gil = [](const std::function<void()>& wait) {
     if (Py_IsInitialized() && PyGILState_Check()) {
       py::gil_scoped_release nogil;

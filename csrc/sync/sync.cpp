@@ -84,13 +84,14 @@ class Pipeline {
   void maybe_hand_off() {
     if (!armed_.load(std::memory_order_relaxed) || t_in_flush || !enabled()) return;
     Program& p = Program::get();
-    const size_t batch = config().pipeline_batch.load(std::memory_order_relaxed);
+    const size_t batch = batch_size();
     if (p.pending_count() < batch) return;
     if (handed_.load(std::memory_order_relaxed)) return; // the worker has a batch: no lock per record
     {
       std::lock_guard<std::mutex> lk(mu_);
       if (busy_ || upto_) return;
       handed_.store(true, std::memory_order_relaxed);
+      handed_since_read_.store(true, std::memory_order_relaxed);
       // Batches of a fixed size from the last materialization on: the same batches step after step,
       // so their plans are the plan cache's.
       upto_ = p.seq_at(batch - 1);
@@ -113,8 +114,27 @@ class Pipeline {
   }
 
   static bool enabled() {
-    return config().pipeline.load(std::memory_order_relaxed) > 0 &&
+    const int on = config().pipeline.load(std::memory_order_relaxed);
+    return (on > 0 || (on < 0 && !backing_device().is_cpu())) &&
            config().force_chunks.load(std::memory_order_relaxed) <= 0;
+  }
+
+  // Nodes per batch. On an accelerator a batch costs the recording thread nothing (the worker only
+  // launches its kernels), and small ones start the device early in a step; on the CPU backing the
+  // worker competes with recording for cores, and each batch is a flush with its own plan.
+  static size_t batch_size() {
+    const uint64_t set = config().pipeline_batch.load(std::memory_order_relaxed);
+    if (set > 0) return set;
+    return backing_device().is_cpu() ? kBatchCpu : kBatchAccelerator;
+  }
+
+  // Whether the worker was handed a batch since the recording thread's last materialization: a read
+  // then runs everything pending even when the worker holds the value's writer (materialize).
+  bool handed_since_read() const {
+    return handed_since_read_.load(std::memory_order_relaxed);
+  }
+  void read_ran() {
+    handed_since_read_.store(false, std::memory_order_relaxed);
   }
 
  private:
@@ -144,7 +164,10 @@ class Pipeline {
   }
 
   std::atomic<bool> armed_{false};
+  // (On an H200, GPT-2 steps of 238 and 654 nodes ran fastest in batches of 64 of 64, 128, 256.)
+  static constexpr size_t kBatchCpu = 1024, kBatchAccelerator = 64;
   std::atomic<bool> handed_{false}; // from a hand-off until the worker has run it (read unlocked)
+  std::atomic<bool> handed_since_read_{false};
   std::mutex mu_;
   std::condition_variable cv_, idle_;
   uint64_t upto_ = 0;
@@ -324,6 +347,7 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   in.resident = device_bytes_held();
   const int64_t budget = memory_budget();
   in.budget = plan_target(budget);
+  in.whole_budget = whole_plan_target(budget);
   in.force_chunks = config().force_chunks.load(std::memory_order_relaxed);
   in.cpu_backing = backing_device().is_cpu();
   const int recompute = config().recompute.load(std::memory_order_relaxed);
@@ -347,7 +371,8 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
     recycle_plan(std::move(plan));
     return give_back_batch(seg);
   }
-  if (in.budget >= 0 && plan.predicted_peak > in.budget && !budget_enforced()) refuse_over_budget(seg, plan, budget, in.budget);
+  const int64_t limit = plan.split ? in.budget : std::max(in.budget, in.whole_budget);
+  if (in.budget >= 0 && plan.predicted_peak > limit && !budget_enforced()) refuse_over_budget(seg, plan, budget, limit);
   if (budget >= 0 && !plan.reused && !in.cpu_backing) release_cached_blocks(budget - plan.predicted_peak);
   stats().plan_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(planned - t0).count(),
                             std::memory_order_relaxed);
@@ -360,7 +385,8 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   if (req.background) stats().pipelined_flushes.fetch_add(1, std::memory_order_relaxed);
   ExecOutcome out;
   {
-    ScopedAllocatorCap cap(budget); // the caching allocator holds the run to the budget (CUDA)
+    // The caching allocator holds the run to the budget (CUDA), where the plan comes near it.
+    ScopedAllocatorCap cap(budget, budget >= 0 && plan.predicted_peak > budget / 2);
     out = execute(plan, random_nodes);
   }
   // A loop that ran out of memory finished with smaller chunks: so does the plan next time.
@@ -427,6 +453,7 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   // Pipelining: armed by a run that fit unsplit in half the budget, disarmed by any other.
   const bool roomy = !plan.split && !out.oom && (in.budget < 0 || out.peak <= in.budget / 2);
   if (!req.background) {
+    Pipeline::get().read_ran();
     Pipeline::get().rearm(roomy);
   } else if (!roomy) {
     Pipeline::get().disarm();
@@ -434,7 +461,7 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   // A read raises only its own values' errors (materialize checks them); flushes that need
   // everything (synchronize, auto-flush, generator state) raise the first one.
   recycle_plan(std::move(plan)); // (its next instantiation patches it instead of copying)
-  if (out.first_error && req.needed.empty()) std::rethrow_exception(out.first_error);
+  if (out.first_error && req.needed.empty() && !req.read) std::rethrow_exception(out.first_error);
   return false;
 }
 
@@ -446,7 +473,7 @@ void sync(const SyncRequest& req) {
                 "this thread (for example from a kernel or a hook run during replay); this is not supported");
   std::unique_lock<std::mutex> lock = acquire_flush();
   InFlush guard;
-  if (!req.background && req.needed.empty()) {
+  if (!req.background && !req.read && req.needed.empty()) {
     if (std::exception_ptr e = Pipeline::get().take_error()) std::rethrow_exception(e);
   }
   for (int attempt = 0;; ++attempt) {
@@ -475,9 +502,16 @@ std::unique_lock<std::mutex> lock_flush() {
 void materialize(const std::vector<LazyBuffer*>& bufs) {
   bool pending = false;
   for (LazyBuffer* b : bufs) pending = pending || Program::get().pending_writer(*b) != 0;
+  // Pipelined, the worker may have taken the value's writer: the read still runs what is pending, as
+  // an unpipelined read does, so that a step ends at its read and the worker's batches (counted from
+  // here) are the same step after step, their plans the plan cache's.
+  // (The values are then not the plan's to compute: its fingerprint names none, and it is reused.)
+  if (!pending && Pipeline::get().handed_since_read() && Program::get().pending_count() > 0) {
+    sync(SyncRequest{{}, Program::get().last_seq(), /*keep_pending=*/true, /*background=*/false, /*read=*/true});
+  }
   // A value that is needed runs with everything recorded so far: the rest of a training step runs in
   // the same plan (a split runs it in the same chunk loop) instead of storing what it will read.
-  if (pending) sync(SyncRequest{bufs, Program::get().last_seq(), /*keep_pending=*/true});
+  if (pending) sync(SyncRequest{bufs, Program::get().last_seq(), /*keep_pending=*/true, /*background=*/false, /*read=*/true});
   std::unique_lock<std::mutex> lock = acquire_flush();
   for (LazyBuffer* b : bufs) {
     if (b->poison) std::rethrow_exception(b->poison);

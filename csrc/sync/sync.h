@@ -25,6 +25,9 @@ struct SyncRequest {
   uint64_t upto = UINT64_MAX;
   bool keep_pending = true;
   bool background = false; // the pipeline's worker (no GIL; no thread waits on it)
+  // A read (materialize): raises only its own values' errors, even when `needed` is empty because the
+  // pipeline's worker computes them.
+  bool read = false;
 };
 void sync(const SyncRequest& req);
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-CHECKS = ["mixing", "first_use", "mlp", "gpt2", "gpt2_split", "bf16", "opinfo", "cap", "tiny"]
+CHECKS = ["mixing", "first_use", "mlp", "gpt2", "gpt2_split", "bf16", "opinfo", "cap", "tiny", "speed"]
 CUDA_ONLY = {"mixing", "cap"}
 
 
@@ -51,3 +51,5 @@ def test_gpu_check_smoke(tmp_path):
     assert equal == total > 40 and figures["opinfo"]["mismatches"] == {}
     assert figures["tiny"]["values equal"] and figures["tiny"]["lazymem us/op"] > 0
     assert figures["first_use"]["backing"] == "cpu"
+    # the speed rows: unsplit, pipelined or not, every step's loss is eager's bitwise
+    assert figures["speed"]["losses equal"] and figures["speed"]["times"]["lazy"]

@@ -5,6 +5,8 @@ synchronize; a tight budget keeps it off."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,7 +23,8 @@ def pipelined():
     torch_lazymem.set_pipeline(True)
     yield
     torch_lazymem._C._pipeline_drain()
-    torch_lazymem.set_pipeline(False)
+    torch_lazymem.set_pipeline(None)
+    torch_lazymem._C._set_pipeline_batch(0)
 
 
 def chain(y: torch.Tensor, n: int) -> torch.Tensor:
@@ -120,6 +123,42 @@ def test_recording_from_threads_while_the_worker_runs():
     torch_lazymem._C._verify()
 
 
+def test_a_read_whose_writer_the_worker_took_still_ends_the_step():
+    """The loss is computed by the forward, the first batch the worker takes; reading it still runs the
+    step's backward and optimizer (pending then), as an unpipelined read does, so every step starts
+    from nothing pending and the worker's batches repeat, their plans reused."""
+    torch_lazymem._C._set_pipeline_batch(24)
+    torch.manual_seed(0)
+    ref_model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 5))
+    model = copy.deepcopy(ref_model).to(LAZY)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    x, y = torch.randn(16, 32, generator=torch.Generator().manual_seed(1)), torch.arange(16) % 5
+    xl, yl = x.to(LAZY), y.to(LAZY)
+    reused = []
+    for step in range(5):
+        losses = []
+        for m, o, inputs in ((ref_model, ref_opt, (x, y)), (model, opt, (xl, yl))):
+            before = torch_lazymem.stats()
+            loss = F.cross_entropy(m(inputs[0]), inputs[1])
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            if m is model:
+                torch_lazymem._C._pipeline_drain()  # the worker has run the forward: loss's writer
+            losses.append(loss.item())
+        after = torch_lazymem.stats()
+        assert after["pending_nodes"] == 0, step  # the read ran the rest of the step
+        assert losses[0] == losses[1], step
+        reused.append((after["pipelined_flushes"] - before["pipelined_flushes"], after["plans_reused"] - before["plans_reused"]))
+    for p, r in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p.cpu(), r.detach())
+    # From the second pipelined step on, every batch the worker ran reused its plan, as did the read.
+    assert all(flushes > 0 for flushes, _ in reused[2:]), reused
+    assert all(plans >= flushes + 1 for flushes, plans in reused[3:]), reused
+
+
 def test_set_pipeline_rejects_what_is_not_a_bool():
-    with pytest.raises(TypeError, match="lazymem: set_pipeline expects True or False"):
+    with pytest.raises(TypeError, match="lazymem: set_pipeline expects True, False or None"):
         torch_lazymem.set_pipeline(1)  # type: ignore[arg-type]
+    torch_lazymem.set_pipeline(None)  # the default: on for a GPU backing only
+    assert torch_lazymem.pipeline() == (torch_lazymem.backing_device().type != "cpu")
