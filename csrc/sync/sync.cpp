@@ -7,9 +7,12 @@
 #include <condition_variable>
 #include <cstdio>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_set>
+
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include "core/check.h"
 #include "core/config.h"
@@ -92,6 +95,10 @@ class Pipeline {
       if (busy_ || upto_) return;
       handed_.store(true, std::memory_order_relaxed);
       handed_since_read_.store(true, std::memory_order_relaxed);
+      // The batch runs on the stream the recording thread has current, as it would unpipelined.
+      const c10::Device dev = backing_device();
+      stream_.reset();
+      if (!dev.is_cpu()) stream_ = c10::impl::VirtualGuardImpl(dev.type()).getStream(dev);
       // Batches of a fixed size from the last materialization on: the same batches step after step,
       // so their plans are the plan cache's.
       upto_ = p.seq_at(batch - 1);
@@ -143,10 +150,19 @@ class Pipeline {
     for (;;) {
       cv_.wait(lk, [&] { return upto_ != 0; });
       const uint64_t upto = upto_;
+      const std::optional<c10::Stream> stream = stream_;
       busy_ = true;
       lk.unlock();
       std::exception_ptr err;
       try {
+        std::optional<c10::Stream> before;
+        if (stream) before = c10::impl::VirtualGuardImpl(stream->device_type()).exchangeStream(*stream);
+        struct Restore {
+          const std::optional<c10::Stream>& s;
+          ~Restore() {
+            if (s) c10::impl::VirtualGuardImpl(s->device_type()).exchangeStream(*s);
+          }
+        } restore{before};
         sync(SyncRequest{{}, upto, /*keep_pending=*/true, /*background=*/true});
       } catch (const c10::OutOfMemoryError&) {
         disarm(); // what did not run is pending again: the next materialization plans it
@@ -171,6 +187,7 @@ class Pipeline {
   std::mutex mu_;
   std::condition_variable cv_, idle_;
   uint64_t upto_ = 0;
+  std::optional<c10::Stream> stream_; // the recording thread's current stream at the hand-off
   bool busy_ = false;
   std::exception_ptr error_;
   std::thread worker_;
