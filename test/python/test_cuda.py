@@ -108,6 +108,40 @@ def test_eager_cuda_training_in_the_same_process_as_lazymem():
 
 
 @cuda
+@pytest.mark.parametrize("side_stream", [False, True])
+def test_pipelined_training_is_on_by_default_and_equals_eager_cuda(side_stream):
+    """On a GPU the pipeline's worker launches the step's kernels while the rest is recorded (issue
+    30), on the stream the recording thread has current; every step equals eager CUDA bitwise."""
+    assert torch_lazymem.pipeline()  # the default (set_pipeline(None)) on a CUDA backing
+    torch_lazymem._C._set_pipeline_batch(16)
+    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    try:
+        torch.manual_seed(0)
+        ref = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 10))
+        model = copy.deepcopy(ref).to("lazymem")
+        ref.cuda()
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+        x, y = torch.randn(32, 64), torch.arange(32) % 10
+        torch_lazymem.reset_stats()
+        with torch.cuda.stream(stream):
+            for step in range(6):
+                losses = []
+                for m, opt, dev in ((ref, opts[0], "cuda"), (model, opts[1], "lazymem")):
+                    loss = F.cross_entropy(m(x.to(dev)), y.to(dev))
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    losses.append(loss.item())
+                assert losses[0] == losses[1], step
+        assert torch_lazymem.stats()["pipelined_flushes"] > 0
+        for p, r in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.cpu(), r.cpu())
+    finally:
+        _C._pipeline_drain()
+        torch_lazymem._C._set_pipeline_batch(0)
+
+
+@cuda
 def test_a_backward_through_cuda_and_lazymem_is_a_clear_error():
     w = torch.randn(4).to("lazymem").requires_grad_()
     loss = (w * 2).to("cuda").sum()
