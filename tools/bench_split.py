@@ -445,31 +445,64 @@ def fmt_ratio(x: float, goal: float, lower: bool = False) -> str:
     return f"{x:.2f}{'' if ok else ' (miss)'}"
 
 
+def eager_first_step(case: Case, base: nn.Module, rows: int) -> str:
+    """Eager's first step and the fastest of 3 later ones (ms) in this fresh process, for (g)."""
+    r = Runner(case, base, lazy=False)
+    times = []
+    for k in range(4):
+        t0 = time.perf_counter()
+        r.step(case.batch(rows, k), k)
+        times.append(time.perf_counter() - t0)
+    return f"{times[0] * 1e3:.0f} / {min(times[1:]) * 1e3:.0f}"
+
+
 def first_step(case: Case, base: nn.Module, rows: int) -> str:
     """One lazymem step of `rows` in this (fresh) process: the memory model has seen none of its
-    kernels; predicted / measured peak of every plan of the step, and the out-of-memory retries."""
+    kernels; predicted / measured peak of every plan of the step, and the out-of-memory retries. Then
+    its wall time against the fastest of 3 later steps (issue 30 item 5's goal: at most 2x a later
+    step, or 50 ms more), and how much of it was torch's one-time import of torch._dynamo (the first
+    Python meta kernel's: README, Known limits)."""
     r = Runner(case, base, lazy=True)
     torch_lazymem.reset_stats()
     r.reset_peak()
+    had_dynamo = "torch._dynamo" in sys.modules
+    t0 = time.perf_counter()
     r.step(case.batch(rows, 0), 0)
+    first = time.perf_counter() - t0
     st = torch_lazymem.stats()
     ratio = st["predicted_peak_bytes"] / max(1, st["peak_bytes"])
+    later = []
+    for k in range(1, 4):
+        t0 = time.perf_counter()
+        r.step(case.batch(rows, k), k)
+        later.append(time.perf_counter() - t0)
+    best = min(later)
+    goal = max(2 * best, best + 0.05)
+    dynamo = "no" if had_dynamo or "torch._dynamo" not in sys.modules else "yes"
     return (f"| {case.name} | {rows} | {st['predicted_peak_bytes'] / MiB:.2f} | {st['peak_bytes'] / MiB:.2f} "
-            f"| {fmt_ratio(ratio, 0.98)} | {st['oom_retries']} | {r.peak() / case.capacity:.3f} |")
+            f"| {fmt_ratio(ratio, 0.98)} | {st['oom_retries']} | {r.peak() / case.capacity:.3f} "
+            f"| {first * 1e3:.0f} | {best * 1e3:.0f} | {'ok' if first <= goal else 'miss'} | {dynamo} |")
 
 
 def first_steps(factor: int) -> int:
     """(g): each case's first step in a fresh process, at eager's largest batch times `factor`."""
     print(f"(g) the first step of each case in a fresh process at {factor}x eager's largest batch: predicted and "
           "measured peak (MiB) of the step's last plan (backward and the optimizer step), their ratio (goal 0.98-1.02), out-of-memory retries "
-          "(goal 0), measured peak / capacity\n")
-    print("| case | batch | predicted | measured | ratio | retries | peak / capacity |\n|---|---|---|---|---|---|---|")
+          "(goal 0), measured peak / capacity; the first step's wall time (ms) against the fastest of 3 later steps "
+          "(goal: at most 2x, or 50 ms more), and whether the first step imported torch._dynamo (the first Python "
+          "meta kernel's one-time import; each case runs in a fresh process); eager's first and fastest later "
+          "step (ms) at the same batch, in a fresh process of its own (eager also pays a first step)\n")
+    print("| case | batch | predicted | measured | ratio | retries | peak / capacity | first ms | later ms | item 5 "
+          "| imported dynamo | eager first / later ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for i, case in enumerate(CASES):
         torch.manual_seed(0)
         b_e = largest_eager(case, case.model())
         out = subprocess.run([sys.executable, __file__, "--first-step-case", str(i), "--rows", str(b_e * factor)],
                              capture_output=True, text=True)
-        print(out.stdout.strip() if out.returncode == 0 else f"| {case.name} | {b_e * factor} | failed: "
+        eager = subprocess.run([sys.executable, __file__, "--first-step-case", str(i), "--rows", str(b_e * factor),
+                                "--eager"], capture_output=True, text=True)
+        eager_cell = eager.stdout.strip() if eager.returncode == 0 else "failed"
+        print(f"{out.stdout.strip()} {eager_cell} |" if out.returncode == 0 else f"| {case.name} | {b_e * factor} | failed: "
               f"{(out.stderr.strip().splitlines() or ['?'])[-1][:200]} |", flush=True)
     return 0
 
@@ -480,6 +513,7 @@ def main() -> int:
                         help="only table (g): each case's first step in a fresh process at FACTOR x eager's largest")
     parser.add_argument("--first-step-case", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--rows", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="fewer steps, max factor 8")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--max-factor", type=int, default=64)
@@ -490,7 +524,7 @@ def main() -> int:
     if args.first_step_case is not None:
         torch.manual_seed(0)
         case = CASES[args.first_step_case]
-        print(first_step(case, case.model(), args.rows))
+        print((eager_first_step if args.eager else first_step)(case, case.model(), args.rows))
         return 0
     if args.first_step:
         return first_steps(args.first_step)
