@@ -38,6 +38,11 @@ SPEED = size([("gpt2 4x256 16x128", 4, {}, 16, 128), ("gpt2 4x256 64x256", 4, {}
 
 
 
+def ok(passed: bool, figures: Result) -> tuple[str, Result]:
+    """A check's row: ok or FAIL, and its figures."""
+    return ("ok" if passed else "FAIL"), figures
+
+
 def lazy_stats() -> dict[str, int]:
     """torch_lazymem.stats() in a lazymem worker, {} in an eager one."""
     lazymem = sys.modules.get("torch_lazymem")

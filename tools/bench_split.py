@@ -445,14 +445,19 @@ def fmt_ratio(x: float, goal: float, lower: bool = False) -> str:
     return f"{x:.2f}{'' if ok else ' (miss)'}"
 
 
+def step_seconds(r: Runner, rows: int, steps: range) -> list[float]:
+    """Wall time of each of `steps` (its seed and batch) on `r`."""
+    times = []
+    for k in steps:
+        t0 = time.perf_counter()
+        r.step(r.case.batch(rows, k), k)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def eager_first_step(case: Case, base: nn.Module, rows: int) -> str:
     """Eager's first step and the fastest of 3 later ones (ms) in this fresh process, for (g)."""
-    r = Runner(case, base, lazy=False)
-    times = []
-    for k in range(4):
-        t0 = time.perf_counter()
-        r.step(case.batch(rows, k), k)
-        times.append(time.perf_counter() - t0)
+    times = step_seconds(Runner(case, base, lazy=False), rows, range(4))
     return f"{times[0] * 1e3:.0f} / {min(times[1:]) * 1e3:.0f}"
 
 
@@ -466,17 +471,10 @@ def first_step(case: Case, base: nn.Module, rows: int) -> str:
     torch_lazymem.reset_stats()
     r.reset_peak()
     had_dynamo = "torch._dynamo" in sys.modules
-    t0 = time.perf_counter()
-    r.step(case.batch(rows, 0), 0)
-    first = time.perf_counter() - t0
+    (first,) = step_seconds(r, rows, range(1))
     st = torch_lazymem.stats()
     ratio = st["predicted_peak_bytes"] / max(1, st["peak_bytes"])
-    later = []
-    for k in range(1, 4):
-        t0 = time.perf_counter()
-        r.step(case.batch(rows, k), k)
-        later.append(time.perf_counter() - t0)
-    best = min(later)
+    best = min(step_seconds(r, rows, range(1, 4)))
     goal = max(2 * best, best + 0.05)
     dynamo = "no" if had_dynamo or "torch._dynamo" not in sys.modules else "yes"
     return (f"| {case.name} | {rows} | {st['predicted_peak_bytes'] / MiB:.2f} | {st['peak_bytes'] / MiB:.2f} "
@@ -489,18 +487,15 @@ def first_steps(factor: int) -> int:
     print(f"(g) the first step of each case in a fresh process at {factor}x eager's largest batch: predicted and "
           "measured peak (MiB) of the step's last plan (backward and the optimizer step), their ratio (goal 0.98-1.02), out-of-memory retries "
           "(goal 0), measured peak / capacity; the first step's wall time (ms) against the fastest of 3 later steps "
-          "(goal: at most 2x, or 50 ms more), and whether the first step imported torch._dynamo (the first Python "
-          "meta kernel's one-time import; each case runs in a fresh process); eager's first and fastest later "
-          "step (ms) at the same batch, in a fresh process of its own (eager also pays a first step)\n")
+          "(goal: at most 2x, or 50 ms more), whether it imported torch._dynamo (the first Python meta kernel's "
+          "one-time import); eager's first and fastest later step (ms), in a fresh process of its own\n")
     print("| case | batch | predicted | measured | ratio | retries | peak / capacity | first ms | later ms | item 5 "
           "| imported dynamo | eager first / later ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for i, case in enumerate(CASES):
         torch.manual_seed(0)
         b_e = largest_eager(case, case.model())
-        out = subprocess.run([sys.executable, __file__, "--first-step-case", str(i), "--rows", str(b_e * factor)],
-                             capture_output=True, text=True)
-        eager = subprocess.run([sys.executable, __file__, "--first-step-case", str(i), "--rows", str(b_e * factor),
-                                "--eager"], capture_output=True, text=True)
+        cmd = [sys.executable, __file__, "--first-step-case", str(i), "--rows", str(b_e * factor)]
+        out, eager = (subprocess.run(cmd + extra, capture_output=True, text=True) for extra in ([], ["--eager"]))
         eager_cell = eager.stdout.strip() if eager.returncode == 0 else "failed"
         print(f"{out.stdout.strip()} {eager_cell} |" if out.returncode == 0 else f"| {case.name} | {b_e * factor} | failed: "
               f"{(out.stderr.strip().splitlines() or ['?'])[-1][:200]} |", flush=True)

@@ -77,7 +77,7 @@ struct Config {
   // LAZYMEM_PIPELINE=0/1, torch_lazymem.set_pipeline().
   std::atomic<int> pipeline{-1};
   // Nodes per pipelined batch (LAZYMEM_PIPELINE_BATCH; small values stress the worker in tests);
-  // 0: kPipelineBatchAccelerator on an accelerator, kPipelineBatchCpu on the CPU.
+  // 0: Pipeline::kBatchAccelerator (64) on an accelerator, Pipeline::kBatchCpu (1,024) on the CPU.
   std::atomic<uint64_t> pipeline_batch{0};
   // Meta-inference cache entries kept before the cache is cleared (LAZYMEM_META_CACHE_SIZE).
   std::atomic<uint64_t> meta_cache_capacity{1u << 16};

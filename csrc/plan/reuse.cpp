@@ -244,7 +244,7 @@ std::optional<Plan> reuse_plan(const PlanInput& in, const Fingerprint& fp) {
   // A plan made under another budget is as good while it fits and the budget has not grown by
   // more than a tenth (a fresh plan might then split less, or not at all).
   auto budget_ok = [&](const Template& t) {
-    if (fp.budget < 0 || t.fp.budget == fp.budget) return true;
+    if (fp.budget < 0 || (t.fp.budget == fp.budget && t.fp.whole_budget == fp.whole_budget)) return true;
     const int64_t limit = t.plan.split ? fp.budget : std::max(fp.budget, fp.whole_budget);
     return t.plan.predicted_peak <= limit && fp.budget <= t.fp.budget + t.fp.budget / 10;
   };

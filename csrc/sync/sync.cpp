@@ -85,9 +85,11 @@ class Pipeline {
 
   // After each record: hands what is pending to the worker once a batch has accumulated.
   void maybe_hand_off() {
-    if (!armed_.load(std::memory_order_relaxed) || t_in_flush || !enabled()) return;
+    if (!armed_.load(std::memory_order_relaxed) || t_in_flush) return;
+    const c10::Device dev = backing_device();
+    if (!enabled(dev)) return;
     Program& p = Program::get();
-    const size_t batch = batch_size();
+    const size_t batch = batch_size(dev);
     if (p.pending_count() < batch) return;
     if (handed_.load(std::memory_order_relaxed)) return; // the worker has a batch: no lock per record
     {
@@ -96,7 +98,6 @@ class Pipeline {
       handed_.store(true, std::memory_order_relaxed);
       handed_since_read_.store(true, std::memory_order_relaxed);
       // The batch runs on the stream the recording thread has current, as it would unpipelined.
-      const c10::Device dev = backing_device();
       stream_.reset();
       if (!dev.is_cpu()) stream_ = c10::impl::VirtualGuardImpl(dev.type()).getStream(dev);
       // Batches of a fixed size from the last materialization on: the same batches step after step,
@@ -120,19 +121,19 @@ class Pipeline {
     return std::exchange(error_, nullptr);
   }
 
-  static bool enabled() {
+  static bool enabled(c10::Device dev = backing_device()) {
     const int on = config().pipeline.load(std::memory_order_relaxed);
-    return (on > 0 || (on < 0 && !backing_device().is_cpu())) &&
+    return (on > 0 || (on < 0 && !dev.is_cpu())) &&
            config().force_chunks.load(std::memory_order_relaxed) <= 0;
   }
 
   // Nodes per batch. On an accelerator a batch costs the recording thread nothing (the worker only
   // launches its kernels), and small ones start the device early in a step; on the CPU backing the
   // worker competes with recording for cores, and each batch is a flush with its own plan.
-  static size_t batch_size() {
+  static size_t batch_size(c10::Device dev) {
     const uint64_t set = config().pipeline_batch.load(std::memory_order_relaxed);
     if (set > 0) return set;
-    return backing_device().is_cpu() ? kBatchCpu : kBatchAccelerator;
+    return dev.is_cpu() ? kBatchCpu : kBatchAccelerator;
   }
 
   // Whether the worker was handed a batch since the recording thread's last materialization: a read
@@ -520,16 +521,17 @@ std::unique_lock<std::mutex> lock_flush() {
 void materialize(const std::vector<LazyBuffer*>& bufs) {
   bool pending = false;
   for (LazyBuffer* b : bufs) pending = pending || Program::get().pending_writer(*b) != 0;
-  // Pipelined, the worker may have taken the value's writer: the read still runs what is pending, as
-  // an unpipelined read does, so that a step ends at its read and the worker's batches (counted from
-  // here) are the same step after step, their plans the plan cache's.
-  // (The values are then not the plan's to compute: its fingerprint names none, and it is reused.)
-  if (!pending && Pipeline::get().handed_since_read() && Program::get().pending_count() > 0) {
-    sync(SyncRequest{{}, Program::get().last_seq(), /*keep_pending=*/true, /*background=*/false, /*read=*/true});
-  }
   // A value that is needed runs with everything recorded so far: the rest of a training step runs in
   // the same plan (a split runs it in the same chunk loop) instead of storing what it will read.
-  if (pending) sync(SyncRequest{bufs, Program::get().last_seq(), /*keep_pending=*/true, /*background=*/false, /*read=*/true});
+  // Pipelined, the worker may have taken the value's writer: the read still runs what is pending, so
+  // that a step ends at its read and the worker's batches (counted from here) repeat step after
+  // step, their plans the plan cache's (the values are then not the plan's to compute: its
+  // fingerprint names none, and it is reused).
+  const bool rest = !pending && Pipeline::get().handed_since_read() && Program::get().pending_count() > 0;
+  if (pending || rest) {
+    sync(SyncRequest{pending ? bufs : std::vector<LazyBuffer*>{}, Program::get().last_seq(), /*keep_pending=*/true,
+                     /*background=*/false, /*read=*/true});
+  }
   std::unique_lock<std::mutex> lock = acquire_flush();
   for (LazyBuffer* b : bufs) {
     if (b->poison) std::rethrow_exception(b->poison);

@@ -104,7 +104,8 @@ class ProgramBuilder {
     program_.append(std::move(n));
   }
   // Detaches everything and plans it with `live` surviving and `needed` read.
-  Plan plan(std::vector<T> live, std::vector<T> needed, int64_t force_chunks, int64_t budget = -1) {
+  Plan plan(std::vector<T> live, std::vector<T> needed, int64_t force_chunks, int64_t budget = -1,
+            int64_t whole_budget = -1) {
     seg_ = program_.take_prefix(UINT64_MAX);
     live_.clear();
     for (const T& t : live) live_.insert(t.buf.get());
@@ -114,6 +115,7 @@ class ProgramBuilder {
     for (const T& t : needed) in.needed.push_back(t.buf.get());
     in.force_chunks = force_chunks;
     in.budget = budget;
+    in.whole_budget = whole_budget;
     return make_plan(in);
   }
 

@@ -196,6 +196,28 @@ TEST(ChunkSize, BalancedAlignedAndTheLargestThatFits) {
 
 // A program none of whose results survive (an upload kept pending, then dropped): every node is
 // eliminated and every buffer released, nothing scheduled; one whose result survives runs.
+// On CUDA an unsplit plan may use more of the budget than a split one (PlanInput::whole_budget: a
+// split's chunk-sized blocks fragment the caching allocator; eager's order does not). A program that
+// fits the whole allowance runs unsplit, a stored unsplit plan is reused under another budget while
+// it fits that budget's allowance, and without the allowance the same program splits.
+TEST(Plans, AProgramThatFitsTheWholeAllowanceIsNotSplit) {
+  Linear a;
+  const int64_t unsplit = a.b.plan({a.s, a.g}, {a.s, a.g}, 0).predicted_peak; // no budget: unsplit
+  ASSERT_GT(unsplit, 0);
+  Linear l1;
+  Plan p1 = l1.b.plan({l1.s, l1.g}, {l1.s, l1.g}, 0, unsplit - 1, /*whole_budget=*/unsplit);
+  EXPECT_FALSE(p1.split) << p1.to_string();
+  EXPECT_EQ(p1.predicted_peak, unsplit);
+  Linear l2;
+  Plan p2 = l2.b.plan({l2.s, l2.g}, {l2.s, l2.g}, 0, unsplit - 2, /*whole_budget=*/unsplit);
+  EXPECT_FALSE(p2.split) << p2.to_string();
+  EXPECT_TRUE(p2.reused);
+  Linear l3;
+  Plan p3 = l3.b.plan({l3.s, l3.g}, {l3.s, l3.g}, 0, unsplit - 1);
+  EXPECT_TRUE(p3.split) << p3.to_string();
+  EXPECT_LE(p3.predicted_peak, unsplit - 1);
+}
+
 TEST(Plans, NothingRunsWhenNoResultSurvives) {
   for (bool survives : {false, true}) {
     ProgramBuilder b;

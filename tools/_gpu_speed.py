@@ -1,0 +1,142 @@
+"""gpu_check's speed checks (tools/gpu_check.py, checks 9 and 10): tiny pointwise ops, and issue 30's
+GPT-2 step times, each eager and lazymem, unpipelined and pipelined; their items run in a worker of
+either side, their judges in the parent."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+from _gpu_programs import DEV, DEVICE, SPEED, Result, diff, finish, gpt2, lazy_stats, lm_loss, ok, token_ids
+from torch import nn
+
+TINY_OPS = 4000
+
+
+def tiny_runs(device: str) -> tuple[float, torch.Tensor]:
+    """x = x * 1.0001 + 0.0001, TINY_OPS ops in all, then a sync: a warm-up, then the median of 3."""
+    times = []
+    for _ in range(4):
+        x = torch.zeros(1024, device=device)
+        finish(device)
+        t0 = time.perf_counter()
+        for _ in range(TINY_OPS // 2):
+            x = x * 1.0001 + 0.0001
+        finish(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) / TINY_OPS * 1e6, x.cpu()
+
+
+def item_tiny(side: str) -> Result:
+    lazymem = sys.modules.get("torch_lazymem")
+    if lazymem:  # first without pipelining (on by default on a GPU), then with it
+        lazymem.set_pipeline(False)
+    try:
+        us, value = tiny_runs(DEVICE[side])
+        out: Result = {"us_per_op": us, "value": value}
+        if lazymem:
+            lazymem.set_pipeline(True)
+            out["pipelined_us_per_op"], out["pipelined_value"] = tiny_runs(DEVICE[side])
+            out["pipelined_flushes"] = lazymem.stats()["pipelined_flushes"]
+    finally:
+        if lazymem:
+            lazymem.set_pipeline(None)
+    return out
+
+
+def judge_tiny(eager: Result, lazy: Result) -> tuple[str, Result]:
+    equal = torch.equal(eager["value"], lazy["value"]) and torch.equal(eager["value"], lazy["pipelined_value"])
+    return ok(equal, {"eager us/op": eager["us_per_op"], "lazymem us/op": lazy["us_per_op"],
+                      "lazymem/eager": lazy["us_per_op"] / eager["us_per_op"],
+                      "pipelined us/op": lazy["pipelined_us_per_op"],
+                      "pipelined/eager": lazy["pipelined_us_per_op"] / eager["us_per_op"],
+                      "pipelined batches": lazy["pipelined_flushes"], "values equal": equal})
+
+
+def speed_steps(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, steps: int) -> Result:
+    """`steps` AdamW steps, loss.item() after each (as a user's loop reads its loss): each step's wall
+    time, the time until its loss was read (lazymem: its recording), and the losses."""
+    times, records, losses = [], [], []
+    for _ in range(steps):
+        finish(ids.device.type)
+        t0 = time.perf_counter()
+        loss, _ = lm_loss(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t1 = time.perf_counter()
+        losses.append(loss.item())
+        finish(ids.device.type)
+        times.append(time.perf_counter() - t0)
+        records.append(t1 - t0)
+    return {"times": times, "records": records, "losses": losses}
+
+
+def item_speed(side: str) -> Result:
+    """Issue 30's rows: per GPT-2, the first step, then 5 steps, then (lazymem) 5 pipelined steps;
+    eager runs the same 11 steps, so all losses compare bitwise."""
+    lazymem = sys.modules.get("torch_lazymem")
+    rows: Result = {}
+    for name, n_layer, config, batch, seq in SPEED:
+        model = gpt2(n_layer, **config).to(DEVICE[side])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ids = token_ids(batch, seq).to(DEVICE[side])
+        if lazymem:
+            lazymem.set_pipeline(False)
+        try:
+            first = speed_steps(model, opt, ids, 1)
+            st0 = lazy_stats()
+            plain = speed_steps(model, opt, ids, 5)
+            st1 = lazy_stats()
+            if lazymem:
+                lazymem.set_pipeline(True)
+                before = lazymem.stats()["pipelined_flushes"]
+            piped = speed_steps(model, opt, ids, 5)
+        finally:
+            if lazymem:
+                lazymem.set_pipeline(None)
+        rows[name] = {"first_s": first["times"][0], "step_s": statistics.median(plain["times"][1:]),
+                      "record_s": statistics.median(plain["records"][1:]),
+                      "piped_step_s": statistics.median(piped["times"][1:]),
+                      "piped_record_s": statistics.median(piped["records"][1:]),
+                      "losses": torch.tensor(first["losses"] + plain["losses"] + piped["losses"], dtype=torch.float64),
+                      "pipelined_flushes": lazymem.stats()["pipelined_flushes"] - before if lazymem else 0,
+                      # what 5 unpipelined steps cost in lazymem's counters (plans, cache hits, flushes, ...)
+                      "stats": {k: v - st0[k] for k, v in st1.items() if isinstance(v, (int, float))}}
+        if side == "eager":  # eager against itself: the same 3 steps from a fresh model
+            del model, opt
+            model = gpt2(n_layer, **config).to(DEVICE[side])
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            rows[name]["again"] = torch.tensor(speed_steps(model, opt, ids, 3)["losses"], dtype=torch.float64)
+        del model, opt, ids
+        finish(DEVICE[side])
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def judge_speed(eager: Result, lazy: Result) -> tuple[str, Result]:
+    figures: Result = {}
+    equal = True
+    for name, e in eager.items():
+        z = lazy[name]
+        same = torch.equal(e["losses"], z["losses"])
+        # Where eager differs from itself run to run (kernels that add with atomics), lazymem is held
+        # to eager's own spread, and the row says so.
+        spread = diff(e["losses"][:3], e["again"])
+        worst = diff(e["losses"], z["losses"])
+        equal &= same or (spread > 0 and worst <= 10 * spread)
+        if not same:
+            first_differing = int((e["losses"] != z["losses"]).nonzero()[0])
+            same_note = f"losses differ from step {first_differing} (max {worst:.3g}; eager against itself {spread:.3g})"
+        figures[name] = (
+            f"eager {e['step_s'] * 1e3:.1f} ms/step, lazymem {z['step_s'] * 1e3:.1f} ms "
+            f"({e['step_s'] / z['step_s']:.2f}x eager; recording {z['record_s'] * 1e3:.1f} ms), pipelined "
+            f"{z['piped_step_s'] * 1e3:.1f} ms ({e['step_s'] / z['piped_step_s']:.2f}x, {z['pipelined_flushes']} "
+            f"batches on the worker); first step {z['first_s'] * 1e3:.0f} ms vs eager's {e['first_s'] * 1e3:.0f}; "
+            + ("losses bitwise equal" if same else same_note))
+    numbers = {side: {name: {k: v for k, v in row.items() if k not in ("losses", "again")} for name, row in rows.items()}
+               for side, rows in (("eager", eager), ("lazy", lazy))}
+    return ok(equal, {**figures, "losses equal": equal, "times": numbers})
