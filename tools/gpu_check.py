@@ -322,9 +322,10 @@ def allocator_counts(since: dict[str, int] | None = None) -> dict[str, int]:
 
 
 def lazy_cap(model: nn.Module, opt: torch.optim.Optimizer) -> Result:
-    """lazymem at 1, 4 and 8 times eager's batch: the first step, the mean of 2 more, memory, chunks
-    and out-of-memory retries (torch_lazymem.stats()); stops at a step that raises, or when the
-    check's time is mostly spent (the item's results are lost if it is killed)."""
+    """lazymem at 1, 4 and 8 times eager's batch: the first step, two more (the second step is the
+    first with the optimizer's state, a new program), then the mean of 3 as eager's; memory, chunks,
+    out-of-memory retries and pipelined batches (torch_lazymem.stats()); stops at a step that raises,
+    or when the check's time is mostly spent (the item's results are lost if it is killed)."""
     lazymem = sys.modules["torch_lazymem"]
     path = Path(ARGS.dir) / "eager_cap.pt"
     b_e = (torch.load(path) if path.exists() else {}).get("batch")
@@ -342,9 +343,10 @@ def lazy_cap(model: nn.Module, opt: torch.optim.Optimizer) -> Result:
         times, chunks, peak, predicted, first_retries = [], 0, 0, 0, 0
         counts = allocator_counts()
         try:
-            for i in range(3):
-                if i == 1:
-                    counts = allocator_counts()  # the later steps
+            for i in range(6):
+                if i == 3:
+                    counts = allocator_counts()  # the timed steps
+                    st0 = lazymem.stats()
                 times.append(timed_step(model, opt, ids))
                 st = lazymem.stats()
                 chunks, peak = max(chunks, st["chunks"]), max(peak, st["peak_bytes"])
@@ -353,7 +355,11 @@ def lazy_cap(model: nn.Module, opt: torch.optim.Optimizer) -> Result:
         except Exception as e:  # noqa: BLE001 - a step that raised is the finding
             runs[f"{mult}x"] = {"batch": mult * b_e, "error": first_line(e)}
             break
-        runs[f"{mult}x"] = {"batch": mult * b_e, "first_s": times[0], "step_s": statistics.mean(times[1:]),
+        st1 = lazymem.stats()
+        runs[f"{mult}x"] = {"batch": mult * b_e, "first_s": times[0], "step_s": statistics.mean(times[3:]),
+                            "warm_s": times[1:3],
+                            "timed": {k: st1[k] - st0[k] for k in ("pipelined_flushes", "pipeline_given_back",
+                                                                    "plans_reused", "materializations", "plan_ns")},
                             "reserved": torch.cuda.max_memory_reserved(),
                             "allocated": torch.cuda.max_memory_allocated(), "predicted": predicted,
                             "budget": lazymem.memory_budget(), "peak": peak, "chunks": chunks,
@@ -376,7 +382,8 @@ def judge_cap(eager: Result, lazy: Result) -> tuple[str, Result]:
             f"reserved {run['reserved'] / GiB:.2f} of {CAP / GiB:g} GiB (budget {run['budget'] / GiB:.2f}), "
             f"allocated {run['allocated'] / GiB:.2f} GiB vs predicted {run['predicted'] / GiB:.2f}, "
             f"{run['chunks']} chunks, {run['oom_retries']} retries ({run['first_retries']} in the first step), "
-            f"allocator capped for {run['caps']} runs")
+            f"allocator capped for {run['caps']} runs; timed steps: {run['timed']['pipelined_flushes']} batches "
+            f"pipelined, {run['timed']['pipeline_given_back']} given back, {run['timed']['plan_ns'] / 1e6:.1f} ms planning")
     # The issue's goal: what the caching allocator reserves stays within the budget at every step, and
     # the user's fraction is theirs again after each run.
     fraction = CAP / torch.cuda.get_device_properties(0).total_memory

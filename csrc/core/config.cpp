@@ -33,6 +33,8 @@ std::map<std::string, int64_t> Stats::snapshot() const {
       {"peak_bytes", ld(peak_bytes)},
       {"auto_flushes", ld(auto_flushes)},
       {"pipelined_flushes", ld(pipelined_flushes)},
+      {"pipeline_given_back", ld(pipeline_given_back)},
+      {"pipeline_worker_ns", ld(pipeline_worker_ns)},
       {"outputs_copied", ld(outputs_copied)},
       {"predicted_peak_bytes", ld(predicted_peak_bytes)},
       {"splits", ld(splits)},
@@ -79,6 +81,8 @@ void Stats::reset() {
   peak_bytes = 0;
   auto_flushes = 0;
   pipelined_flushes = 0;
+  pipeline_given_back = 0;
+  pipeline_worker_ns = 0;
   outputs_copied = 0;
   predicted_peak_bytes = 0;
   splits = 0;

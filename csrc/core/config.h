@@ -25,6 +25,8 @@ struct Stats {
   std::atomic<int64_t> peak_bytes{0};        // peak device bytes during the last materialization
   std::atomic<uint64_t> auto_flushes{0};
   std::atomic<uint64_t> pipelined_flushes{0}; // batches the pipeline's worker ran while recording went on
+  std::atomic<uint64_t> pipeline_given_back{0}; // batches it left to the recording thread (split, new and near the budget)
+  std::atomic<uint64_t> pipeline_worker_ns{0};  // the worker's time planning and running batches
   std::atomic<uint64_t> outputs_copied{0};   // kernel results copied into their buffer (layout differed)
   std::atomic<int64_t> predicted_peak_bytes{0}; // the memory model's peak for the last materialization
   std::atomic<uint64_t> splits{0};           // materializations that split along the batch

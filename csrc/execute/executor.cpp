@@ -132,7 +132,7 @@ class Walker {
   // (Not the device copies of host-held values the binder made for it: `copies` bytes, counted by
   // the memory model on their own.)
   void learn(const PlannedNode& pn, int64_t rows, int64_t copies) {
-    int64_t ws = device_counter().node_peak() - device_counter().allocated() - copies;
+    int64_t ws = device_counter().node_peak() - device_counter().node_allocated() - copies;
     if (ws > 0 && Workspace::get().observe(workspace_key(pn), &pn.op.schema(), rows, ws)) note_learned(pn, rows, ws, "");
   }
 
@@ -490,9 +490,14 @@ ExecOutcome execute(const Plan& plan, c10::ArrayRef<Node*> random_nodes) {
   if (!backing_device().is_cpu()) device_peak.emplace(backing_device());
   // On the CPU backing the counting allocator holds the run to the plan's budget (memory.h).
   ScopedBudgetLimit limit(backing_device().is_cpu() ? plan.budget : -1);
-  ExecOutcome out = Walker(plan, device_peak ? &*device_peak : nullptr).run();
+  // Sampled after each node only where the plan comes over half its budget: reading the allocator's
+  // statistics takes its lock and copies them, a cost per kernel that eager does not pay. Elsewhere
+  // the peak is the process's where the run raised it, else the larger of the start and the end.
+  const bool each_node = plan.budget >= 0 && plan.predicted_peak > plan.budget / 2;
+  ExecOutcome out = Walker(plan, device_peak && each_node ? &*device_peak : nullptr).run();
   if (!out.oom) draws.finish();
   device_counter().stop_injection();
+  if (device_peak) device_peak->sample();
   out.peak = device_peak ? device_peak->peak() : device_counter().window_peak();
   return out;
 }

@@ -36,12 +36,13 @@ namespace lazymem {
 void MemoryCounter::charge(size_t n) {
   int64_t bytes = static_cast<int64_t>(n);
   int64_t now = allocated_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+  const int64_t node_now = now + foreign_freed_.load(std::memory_order_relaxed); // (see node_peak)
   int64_t cap = capacity_.load(std::memory_order_relaxed);
   if (countdown_.load(std::memory_order_relaxed) > 0 && countdown_.fetch_sub(1, std::memory_order_relaxed) == 1) {
     allocated_.fetch_sub(bytes, std::memory_order_relaxed);
     injected_.fetch_add(1, std::memory_order_relaxed);
     int64_t q = node_peak_.load(std::memory_order_relaxed);
-    while (now > q && !node_peak_.compare_exchange_weak(q, now)) {}
+    while (node_now > q && !node_peak_.compare_exchange_weak(q, node_now)) {}
     TORCH_CHECK_WITH(OutOfMemoryError, false, "lazymem: ", name_, " out of memory (injected by "
                      "torch_lazymem.testing.fail_allocation). Tried to allocate ", format_bytes(bytes), ".");
   }
@@ -52,7 +53,7 @@ void MemoryCounter::charge(size_t n) {
     allocated_.fetch_sub(bytes, std::memory_order_relaxed);
     // The node peak includes the refused request: what the node tried to hold, for learning.
     int64_t q = node_peak_.load(std::memory_order_relaxed);
-    while (now > q && !node_peak_.compare_exchange_weak(q, now)) {}
+    while (node_now > q && !node_peak_.compare_exchange_weak(q, node_now)) {}
     TORCH_CHECK_WITH(OutOfMemoryError, false, "lazymem: ", name_, " out of memory. Tried to allocate ",
                      format_bytes(bytes), "; ", by_budget ? "the plan's memory budget " : "capacity ",
                      format_bytes(cap), ", of which ", format_bytes(now - bytes), " is already allocated.");
@@ -62,11 +63,14 @@ void MemoryCounter::charge(size_t n) {
   p = window_peak_.load(std::memory_order_relaxed);
   while (now > p && !window_peak_.compare_exchange_weak(p, now)) {}
   p = node_peak_.load(std::memory_order_relaxed);
-  while (now > p && !node_peak_.compare_exchange_weak(p, now)) {}
+  while (node_now > p && !node_peak_.compare_exchange_weak(p, node_now)) {}
 }
 
 void MemoryCounter::release(size_t n) {
   allocated_.fetch_sub(static_cast<int64_t>(n), std::memory_order_relaxed);
+  if (node_owner_.load(std::memory_order_relaxed) != std::this_thread::get_id()) {
+    foreign_freed_.fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed);
+  }
 }
 
 MemoryCounter& device_counter() {
@@ -408,6 +412,44 @@ int64_t lazymem_device_bytes() {
   return resident_bytes() + library_bytes();
 }
 
+namespace {
+// The fraction that holds the process to `budget` with `others` bytes of its own (0: the user's cap
+// is the tighter one, or none can be set).
+double capped_fraction(c10::Device dev, int64_t budget, int64_t others) {
+  if (budget < 0 || !flush_hooks().set_allocator_fraction) return 0.0;
+#if LAZYMEM_TORCH_AT_LEAST(2, 9)
+  const int64_t total = static_cast<int64_t>(c10::getDeviceAllocator(dev.type())->getMemoryInfo(dev.index()).second);
+  if (total <= 0) return 0.0;
+  const double fraction = static_cast<double>(std::max<int64_t>(0, others) + budget) / static_cast<double>(total);
+  return fraction < device_memory_fraction(dev.index()) ? fraction : 0.0;
+#else
+  (void)dev;
+  (void)others;
+  return 0.0;
+#endif
+}
+} // namespace
+
+double cap_allocator(int64_t budget) {
+  const c10::Device dev = backing_device();
+  if (dev.is_cpu()) return 0.0;
+  try {
+    const double fraction =
+        capped_fraction(dev, budget, allocated_on(dev) - resident_bytes() - library_bytes());
+    if (fraction <= 0.0) return 0.0;
+    flush_hooks().set_allocator_fraction(dev, fraction);
+    stats().allocator_caps.fetch_add(1, std::memory_order_relaxed);
+    return device_memory_fraction(dev.index());
+  } catch (const c10::Error&) {
+    return 0.0;
+  }
+}
+
+void restore_allocator(double fraction) {
+  const c10::Device dev = backing_device();
+  if (fraction > 0.0 && !dev.is_cpu()) flush_hooks().set_allocator_fraction(dev, fraction);
+}
+
 ScopedAllocatorCap::ScopedAllocatorCap(int64_t budget, bool enforce) {
   const c10::Device dev = backing_device();
   if (dev.is_cpu()) return;
@@ -416,21 +458,13 @@ ScopedAllocatorCap::ScopedAllocatorCap(int64_t budget, bool enforce) {
     const int64_t allocated = allocated_on(dev);
     // Not lazymem's: what the process holds beyond lazymem's values and workspaces.
     unheld_before_ = allocated - resident_bytes();
-    if (budget < 0 || !enforce || !flush_hooks().set_allocator_fraction) return;
-#if LAZYMEM_TORCH_AT_LEAST(2, 9)
-    const int64_t total = static_cast<int64_t>(c10::getDeviceAllocator(dev.type())->getMemoryInfo(dev.index()).second);
-    if (total <= 0) return;
-    const int64_t others = std::max<int64_t>(0, unheld_before_ - library_bytes());
-    const double user = device_memory_fraction(dev.index());
-    const double fraction = static_cast<double>(others + budget) / static_cast<double>(total);
-    if (fraction >= user) return; // the user's cap is the tighter one
+    if (!enforce) return;
+    const double fraction = capped_fraction(dev, budget, unheld_before_ - library_bytes());
+    if (fraction <= 0.0) return;
     flush_hooks().set_allocator_fraction(dev, fraction);
     fraction_ = fraction;
-    restore_ = user;
+    restore_ = device_memory_fraction(dev.index());
     stats().allocator_caps.fetch_add(1, std::memory_order_relaxed);
-#else
-    (void)budget;
-#endif
   } catch (const c10::Error&) {
   }
 }

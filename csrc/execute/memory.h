@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <thread>
 
 #include <c10/core/Storage.h>
 
@@ -33,9 +34,17 @@ class MemoryCounter {
   void reset_peak() { peak_.store(allocated()); }
   void reset_window_peak() { window_peak_.store(allocated()); }
   // The peak since the last reset_node_peak(): the executor measures each node's transient bytes.
-  // A refused allocation counts (allocated + its size): what the node tried to hold.
+  // A refused allocation counts (allocated + its size): what the node tried to hold. Frees made by
+  // other threads meanwhile (a tensor the recording thread drops while the pipeline's worker runs a
+  // node) do not count: the node's view of the device is allocated() plus what they freed
+  // (node_allocated()), so they neither lower its peak nor pass for its workspace.
   int64_t node_peak() const { return node_peak_.load(std::memory_order_relaxed); }
-  void reset_node_peak() { node_peak_.store(allocated(), std::memory_order_relaxed); }
+  int64_t node_allocated() const { return allocated() + foreign_freed_.load(std::memory_order_relaxed); }
+  void reset_node_peak() {
+    node_owner_.store(std::this_thread::get_id(), std::memory_order_relaxed);
+    foreign_freed_.store(0, std::memory_order_relaxed);
+    node_peak_.store(allocated(), std::memory_order_relaxed);
+  }
   const char* name() const { return name_; }
   // Fault injection (torch_lazymem.testing.fail_allocation): the n-th allocation charged after
   // start_injection() raises torch.OutOfMemoryError as if past the capacity; n = 0 disarms.
@@ -50,6 +59,8 @@ class MemoryCounter {
   std::atomic<int64_t> peak_{0};
   std::atomic<int64_t> window_peak_{0};
   std::atomic<int64_t> node_peak_{0};
+  std::atomic<int64_t> foreign_freed_{0};     // since reset_node_peak(), by other threads
+  std::atomic<std::thread::id> node_owner_{}; // the thread that called reset_node_peak()
   std::atomic<int64_t> capacity_{-1};
   std::atomic<int64_t> budget_limit_{-1};
   std::atomic<int64_t> armed_{0};
@@ -153,7 +164,8 @@ class ScopedAllocatorCap {
  public:
   // `enforce` false: only measures (a plan predicted within half the budget leaves the allocator
   // room for its own overhead; setting the fraction is a call into Python, which the pipeline's
-  // worker would have to wait for the GIL to make).
+  // worker would have to wait for the GIL to make: the pipeline holds the cap for its batches from
+  // the recording thread instead, with cap_allocator).
   ScopedAllocatorCap(int64_t budget, bool enforce);
   ~ScopedAllocatorCap();
   ScopedAllocatorCap(const ScopedAllocatorCap&) = delete;
@@ -165,6 +177,13 @@ class ScopedAllocatorCap {
   double fraction_ = 0.0; // the fraction set for the scope (0: none)
   double restore_ = 1.0;
 };
+// The cap of ScopedAllocatorCap, set and put back by hand (the pipeline holds it across its worker's
+// batches): lowers the allocator's fraction to what the process holds beyond lazymem's values and
+// workspaces plus `budget`, where that is tighter than the user's. Returns the fraction to restore
+// with restore_allocator (0: none was set). A call into Python: the caller may hold no lock that a
+// thread holding the GIL could wait for.
+double cap_allocator(int64_t budget);
+void restore_allocator(double fraction);
 // Device bytes lazymem's runs left allocated beyond its values: workspaces its kernels made and their
 // libraries keep (cuBLAS's per stream). Measured around each run on a CUDA-like device; lazymem's,
 // like its values: in its budget, its cap and its peak. 0 on the CPU.
@@ -174,7 +193,8 @@ int64_t lazymem_device_bytes();
 // lazymem's peak bytes on a CUDA-like backing device during one execution, resident values included,
 // from the caching allocator's allocated-bytes statistics (lazymem's own allocations and its kernels'
 // go through it): exact when the execution sets the process's peak — a training step usually does —
-// else the largest value seen at node boundaries. Other threads' allocations meanwhile count as
+// else the largest value sampled: at node boundaries where the plan comes over half its budget, at
+// its start and end otherwise. Other threads' allocations meanwhile count as
 // lazymem's. The allocator's peak is never reset (the user's max_memory_allocated() stays theirs).
 class DevicePeakWindow {
  public:

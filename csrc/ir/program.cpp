@@ -168,11 +168,47 @@ void Program::collect_dead_locked(std::vector<NodePtr>& dead) {
   stats().nodes_collected.fetch_add(dropped, std::memory_order_relaxed);
 }
 
-Segment Program::take_prefix(uint64_t upto) {
+namespace {
+std::atomic<uint64_t> g_epochs{0};
+} // namespace
+
+uint64_t Program::stamp_live_locked(uint64_t upto) {
+  const uint64_t epoch = g_epochs.fetch_add(1, std::memory_order_relaxed) + 1;
+  auto note_alive = [&](LazyBuffer* b) {
+    if (b->storage_alive.load(std::memory_order_acquire)) b->live_epoch = epoch;
+  };
+  for (const auto& n : pending_) {
+    if (n->seq <= upto) {
+      for (const auto& d : n->defs) note_alive(d.ref.buf.get());
+      for (const auto& u : n->uses) note_alive(u.ref.buf.get());
+      continue;
+    }
+    for (const auto& u : n->uses) {
+      // A pending full overwrite does not need the old value; anything else does.
+      if (!(u.write_only && u.covered_nbytes && u.covered_nbytes == u.ref.buf->nbytes.load())) {
+        u.ref.buf->live_epoch = epoch;
+      }
+    }
+  }
+  return epoch;
+}
+
+Program::LiveSnapshot Program::snapshot_live(uint64_t upto) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return LiveSnapshot{upto, stamp_live_locked(upto), takes_};
+}
+
+Segment Program::take_prefix(uint64_t upto, const LiveSnapshot* live) {
   Segment seg;
   std::vector<NodePtr> dead;
   std::lock_guard<std::mutex> lock(mu_);
+  // A snapshot still holds when nothing was taken since and it covers exactly this prefix (nodes
+  // recorded since only read what a tensor held then; dead nodes dropped now only make it larger).
+  const bool snapshot = live && live->takes == takes_ && live->upto == upto;
+  ++takes_;
   collect_dead_locked(dead);
+  seg.epoch = snapshot ? live->epoch : stamp_live_locked(upto);
+  seg.live_snapshot = snapshot;
   while (!pending_.empty() && pending_.front()->seq <= upto) {
     pending_bytes_ -= def_bytes(*pending_.front());
     note_pending_writes(*pending_.front(), -1);
@@ -189,23 +225,6 @@ Segment Program::take_prefix(uint64_t upto) {
     spare_tape_ = Tape{};
   } else {
     retape(); // (what stays pending numbered from its first node)
-  }
-  static std::atomic<uint64_t> epochs{0};
-  seg.epoch = epochs.fetch_add(1, std::memory_order_relaxed) + 1;
-  for (const auto& n : pending_) {
-    for (const auto& u : n->uses) {
-      // A pending full overwrite does not need the old value; anything else does.
-      if (!(u.write_only && u.covered_nbytes && u.covered_nbytes == u.ref.buf->nbytes.load())) {
-        u.ref.buf->live_epoch = seg.epoch;
-      }
-    }
-  }
-  auto note_alive = [&](LazyBuffer* b) {
-    if (b->storage_alive.load(std::memory_order_acquire)) b->live_epoch = seg.epoch;
-  };
-  for (const auto& n : seg.nodes) {
-    for (const auto& d : n->defs) note_alive(d.ref.buf.get());
-    for (const auto& u : n->uses) note_alive(u.ref.buf.get());
   }
   return seg;
 }

@@ -27,6 +27,8 @@ struct Segment {
   // The nodes' tape when the Program kept it whole for them (the segment is everything pending
   // and nothing was put back since the tape started); not `valid` otherwise.
   Tape tape;
+  // Its live-out set is a snapshot's (take_prefix), stamped when the pipeline handed it over.
+  bool live_snapshot = false;
   bool is_live_out(const LazyBuffer& b) const {
     return b.live_epoch == epoch;
   }
@@ -66,8 +68,20 @@ class Program {
   // last sweep (cheap otherwise). Run at each sync and by memory queries. Returns the nodes dropped.
   size_t collect_dead();
 
-  // Detaches pending nodes with seq <= upto (all of them if upto is past the end).
-  Segment take_prefix(uint64_t upto);
+  // The live-out set of the pending nodes with seq <= upto, stamped now: every buffer of theirs that a
+  // tensor holds or a later pending node reads. What no tensor holds now, nothing can read later, so
+  // a take_prefix(upto) with no other take in between may use this set instead of one stamped when it
+  // runs. The pipeline stamps it at the hand-off, on the recording thread, so a batch's live-out set
+  // does not depend on how far recording got before the worker took it: the same every step, and so
+  // are the batch's fingerprint and plan.
+  struct LiveSnapshot {
+    uint64_t upto = 0, epoch = 0, takes = 0;
+    int64_t resident = 0; // device bytes lazymem held then (set by the caller)
+  };
+  LiveSnapshot snapshot_live(uint64_t upto);
+  // Detaches pending nodes with seq <= upto (all of them if upto is past the end), with the live-out
+  // set of `live` when it is still valid (see snapshot_live).
+  Segment take_prefix(uint64_t upto, const LiveSnapshot* live = nullptr);
   // Puts back nodes of a detached prefix that the plan leaves pending (kept for later, or not run
   // after an out-of-memory error), in front of everything recorded since. Any subset of the
   // detached prefix, in program order.
@@ -89,6 +103,9 @@ class Program {
   void retape();
   void collect_dead_locked(std::vector<NodePtr>& dead);
   uint64_t swept_at_ = 0;
+  uint64_t takes_ = 0; // take_prefix calls
+  // Stamps the live-out set of the pending nodes with seq <= upto with a fresh epoch (returned).
+  uint64_t stamp_live_locked(uint64_t upto);
   uint64_t next_seq_ = 1;
   std::atomic<uint64_t> pending_bytes_{0};
   std::atomic<size_t> pending_size_{0};

@@ -256,8 +256,10 @@ std::optional<Plan> reuse_plan(const PlanInput& in, const Fingerprint& fp) {
   }
   if (it == c.entries.end()) {
     if (config().debug.load(std::memory_order_relaxed) >= 2 && !c.entries.empty()) {
-      // Where this program first differs from the most recent stored one (LAZYMEM_DEBUG=2).
-      const std::vector<uint64_t>& last = c.entries.front().fp.key;
+      // Where this program first differs from the most recent stored one of its length, else the
+      // most recent (LAZYMEM_DEBUG=2).
+      auto same = std::find_if(c.entries.begin(), c.entries.end(), [&](const Template& t) { return t.fp.words == fp.words; });
+      const std::vector<uint64_t>& last = (same != c.entries.end() ? *same : c.entries.front()).fp.key;
       size_t i = 0;
       while (i < last.size() && i < fp.words && last[i] == fp.key[i]) ++i;
       std::fprintf(stderr, "[lazymem] plan not reused: fingerprint of %zu words differs from the last stored (%zu words) "

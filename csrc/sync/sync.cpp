@@ -61,13 +61,25 @@ std::unique_lock<std::mutex> acquire_flush() {
   return lk;
 }
 
+// Device bytes lazymem holds: its values and, on a CUDA-like device, its kernels' workspaces.
+int64_t device_bytes_held() {
+  return backing_device().is_cpu() ? device_counter().allocated() : lazymem_device_bytes();
+}
+
 // Pipelined execution (issue 30 item 1): once a materialization has shown that the program runs
 // unsplit with room to spare, what is recorded next is handed, a batch of nodes at a time, to a
 // worker thread that plans and runs it while the recording thread goes on recording. Each batch is a
 // flush like the auto-flush's (its plan frees what nothing pending or held reads; every kernel is
 // eager's, in program order), so results are the ones a synchronous flush gives. A materialization
-// that splits, runs out of memory or comes close to the budget disarms it; the next one that fits
-// with room arms it again.
+// that splits or runs out of memory disarms it; the next one that fits unsplit arms it again.
+//
+// How near the budget a batch may come: a batch runs eagerly, and what it leaves allocated can no
+// longer be split, so a step that grew (a longer sequence) could run its forward on the worker and
+// leave its backward no room. A batch whose plan is new (a shape not seen at this point of a step)
+// stays within half the budget, as before; one whose plan is reused (the same batch at the same
+// point of an earlier step, which completed) may come as near the budget as the arming
+// materialization did, plus 1/32 of the budget. Under a memory cap the recording thread holds the
+// caching allocator's cap for the worker's batches (cap_allocator), as a synchronous run would.
 class Pipeline {
  public:
   static Pipeline& get() {
@@ -75,9 +87,16 @@ class Pipeline {
     return *p;
   }
 
-  // After a materialization on a recording thread: whether the next steps may be pipelined.
-  void rearm(bool fits_with_room) {
-    armed_.store(fits_with_room && enabled(), std::memory_order_relaxed);
+  // After a materialization on a recording thread: whether the next steps may be pipelined, and how
+  // near the budget a batch with a reused plan may come (see above).
+  void rearm(bool fits, int64_t reused_limit) {
+    reused_limit_.store(reused_limit, std::memory_order_relaxed);
+    armed_.store(fits && enabled(), std::memory_order_relaxed);
+  }
+  // The largest predicted peak of a batch the worker runs (`budget`: the plan's target, -1 none).
+  int64_t batch_limit(int64_t budget, bool reused) const {
+    if (budget < 0) return INT64_MAX;
+    return reused ? std::max(budget / 2, reused_limit_.load(std::memory_order_relaxed)) : budget / 2;
   }
   void disarm() {
     armed_.store(false, std::memory_order_relaxed);
@@ -89,7 +108,10 @@ class Pipeline {
     const c10::Device dev = backing_device();
     if (!enabled(dev)) return;
     Program& p = Program::get();
-    const size_t batch = batch_size(dev);
+    // The first batches after a read are small, so the device starts early in the step (under eager
+    // it starts at the first op): 8, 16, 32 ... nodes, up to the batch size, counted from the read,
+    // so a step's batches are the same every step.
+    const size_t batch = std::min(batch_size(dev), kFirstBatch << std::min<size_t>(handed_count_.load(std::memory_order_relaxed), 20));
     if (p.pending_count() < batch) return;
     if (handed_.load(std::memory_order_relaxed)) return; // the worker has a batch: no lock per record
     {
@@ -97,15 +119,38 @@ class Pipeline {
       if (busy_ || upto_) return;
       handed_.store(true, std::memory_order_relaxed);
       handed_since_read_.store(true, std::memory_order_relaxed);
+      handed_count_.fetch_add(1, std::memory_order_relaxed);
       // The batch runs on the stream the recording thread has current, as it would unpipelined.
       stream_.reset();
       if (!dev.is_cpu()) stream_ = c10::impl::VirtualGuardImpl(dev.type()).getStream(dev);
       // Batches of a fixed size from the last materialization on: the same batches step after step,
       // so their plans are the plan cache's.
       upto_ = p.seq_at(batch - 1);
+      live_ = p.snapshot_live(upto_);
+      live_.resident = device_bytes_held(); // (the worker is idle: none of it is a run's)
       if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
     }
+    hold_cap();
     cv_.notify_one();
+  }
+
+  // The caching allocator's cap for the worker's batches, where they may come over half the budget:
+  // set from the recording thread (a Python call; the worker would wait for the GIL each batch) and
+  // held until the recording thread's next synchronous run. No lock is held across the call.
+  void hold_cap() {
+    if (reused_limit_.load(std::memory_order_relaxed) <= 0) return;
+    const int64_t budget = memory_budget();
+    if (budget < 0 || reused_limit_.load(std::memory_order_relaxed) <= plan_target(budget) / 2) return;
+    int expected = kCapNone;
+    if (!cap_state_.compare_exchange_strong(expected, kCapChanging)) return;
+    cap_restore_ = cap_allocator(budget);
+    cap_state_.store(kCapHeld);
+  }
+  void release_cap() {
+    int expected = kCapHeld;
+    if (!cap_state_.compare_exchange_strong(expected, kCapChanging)) return;
+    restore_allocator(std::exchange(cap_restore_, 0.0));
+    cap_state_.store(kCapNone);
   }
 
   // Waits until the worker is idle (the process exits; tests).
@@ -143,6 +188,7 @@ class Pipeline {
   }
   void read_ran() {
     handed_since_read_.store(false, std::memory_order_relaxed);
+    handed_count_.store(0, std::memory_order_relaxed);
   }
 
  private:
@@ -151,10 +197,12 @@ class Pipeline {
     for (;;) {
       cv_.wait(lk, [&] { return upto_ != 0; });
       const uint64_t upto = upto_;
+      const Program::LiveSnapshot live = live_;
       const std::optional<c10::Stream> stream = stream_;
       busy_ = true;
       lk.unlock();
       std::exception_ptr err;
+      const auto t0 = std::chrono::steady_clock::now();
       try {
         std::optional<c10::Stream> before;
         if (stream) before = c10::impl::VirtualGuardImpl(stream->device_type()).exchangeStream(*stream);
@@ -164,13 +212,16 @@ class Pipeline {
             if (s) c10::impl::VirtualGuardImpl(s->device_type()).exchangeStream(*s);
           }
         } restore{before};
-        sync(SyncRequest{{}, upto, /*keep_pending=*/true, /*background=*/true});
+        sync(SyncRequest{{}, upto, /*keep_pending=*/true, /*background=*/true, /*read=*/false, &live});
       } catch (const c10::OutOfMemoryError&) {
         disarm(); // what did not run is pending again: the next materialization plans it
       } catch (...) {
         err = std::current_exception();
         disarm();
       }
+      stats().pipeline_worker_ns.fetch_add(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count(),
+          std::memory_order_relaxed);
       lk.lock();
       if (err && !error_) error_ = err;
       busy_ = false;
@@ -181,14 +232,20 @@ class Pipeline {
   }
 
   std::atomic<bool> armed_{false};
+  std::atomic<int64_t> reused_limit_{0};
+  static constexpr int kCapNone = 0, kCapChanging = 1, kCapHeld = 2;
+  std::atomic<int> cap_state_{kCapNone};
+  double cap_restore_ = 0.0; // written only by the thread that moved cap_state_ to kCapChanging
   // (On an H200, of batches of 64, 128 and 256 ops, 64 was the fastest or tied on GPT-2 steps of 238
   // and 654 ops: tools/gpu_check.py check 10.)
-  static constexpr size_t kBatchCpu = 1024, kBatchAccelerator = 64;
+  static constexpr size_t kBatchCpu = 1024, kBatchAccelerator = 64, kFirstBatch = 8;
+  std::atomic<size_t> handed_count_{0}; // batches handed since the recording thread's last materialization
   std::atomic<bool> handed_{false}; // from a hand-off until the worker has run it (read unlocked)
   std::atomic<bool> handed_since_read_{false};
   std::mutex mu_;
   std::condition_variable cv_, idle_;
   uint64_t upto_ = 0;
+  Program::LiveSnapshot live_; // the batch's live-out set at the hand-off
   std::optional<c10::Stream> stream_; // the recording thread's current stream at the hand-off
   bool busy_ = false;
   std::exception_ptr error_;
@@ -202,9 +259,6 @@ const bool g_hooks_installed = [] {
   return true;
 }();
 
-int64_t device_bytes_held() {
-  return backing_device().is_cpu() ? device_counter().allocated() : lazymem_device_bytes();
-}
 
 void record_stats(const Plan& plan, const ExecOutcome& out) {
   auto& st = stats();
@@ -333,6 +387,7 @@ size_t put_back_all(Segment& seg, uint64_t epoch) {
 // again, and pipelining stops until the recording thread's next materialization.
 bool give_back_batch(Segment& seg) {
   Pipeline::get().disarm();
+  stats().pipeline_given_back.fetch_add(1, std::memory_order_relaxed);
   put_back_all(seg, 0);
   return false;
 }
@@ -363,7 +418,11 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   in.needed = req.needed;
   if (seg.tape.valid) in.tape = &seg.tape;
   in.keep_pending = req.keep_pending;
+  // A pipelined batch is planned with the memory held at its hand-off, like its live-out set: the
+  // same every step, so its plan is reused. Only frees could have happened since (every run takes a
+  // new snapshot), unless something outside a run allocated: then what is held now.
   in.resident = device_bytes_held();
+  if (seg.live_snapshot) in.resident = std::max(in.resident, req.live->resident);
   const int64_t budget = memory_budget();
   in.budget = plan_target(budget);
   in.whole_budget = whole_plan_target(budget);
@@ -383,10 +442,18 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
     plan = make_plan(in);
   }
   const auto planned = std::chrono::steady_clock::now();
-  if (req.background && (plan.split || !plan.retained.empty() || (in.budget >= 0 && plan.predicted_peak > in.budget / 2))) {
-    // Not an unsplit plan with room: the worker runs eager's kernels in program order only, and
-    // leaves this batch to the recording thread's next materialization. (Split plans run on the
-    // worker while recording went on drew wrong random numbers in the forced-chunk RNG tests.)
+  if (req.background && (plan.split || !plan.retained.empty() ||
+                         plan.predicted_peak > Pipeline::get().batch_limit(in.budget, plan.reused))) {
+    // Not an unsplit plan within the pipeline's limit: the worker runs eager's kernels in program
+    // order only, and leaves this batch to the recording thread's next materialization. (Split plans
+    // run on the worker while recording went on drew wrong random numbers in the forced-chunk RNG
+    // tests.)
+    if (config().debug) {
+      std::fprintf(stderr, "[lazymem] pipeline: a batch of %zu ops given back (%s, predicted peak %s, limit %s)\n",
+                   seg.nodes.size(), plan.split ? "split" : !plan.retained.empty() ? "keeps ops pending"
+                   : plan.reused ? "reused plan" : "new plan", format_bytes(plan.predicted_peak).c_str(),
+                   format_bytes(Pipeline::get().batch_limit(in.budget, plan.reused)).c_str());
+    }
     recycle_plan(std::move(plan));
     return give_back_batch(seg);
   }
@@ -469,12 +536,14 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
       std::rethrow_exception(annotate_node_error(e, prefix));
     }
   }
-  // Pipelining: armed by a run that fit unsplit in half the budget, disarmed by any other.
-  const bool roomy = !plan.split && !out.oom && (in.budget < 0 || out.peak <= in.budget / 2);
+  // Pipelining: armed by a run that fit unsplit, disarmed by any other.
+  const int64_t peak = std::max(out.peak, plan.predicted_peak);
   if (!req.background) {
+    const bool fits = !plan.split && !out.oom && (in.budget < 0 || peak <= std::max(in.budget, in.whole_budget));
+    const int64_t limit = in.budget < 0 ? 0 : std::min(std::max(in.budget, in.whole_budget), peak + in.budget / 32);
     Pipeline::get().read_ran();
-    Pipeline::get().rearm(roomy);
-  } else if (!roomy) {
+    Pipeline::get().rearm(fits, limit);
+  } else if (plan.split || out.oom || out.peak > Pipeline::get().batch_limit(in.budget, plan.reused)) {
     Pipeline::get().disarm();
   }
   // A read raises only its own values' errors (materialize checks them); flushes that need
@@ -490,13 +559,21 @@ void sync(const SyncRequest& req) {
   if (req.upto == 0) return;
   LAZYMEM_CHECK(!t_in_flush, "a lazymem value was needed while lazymem was already materializing on "
                 "this thread (for example from a kernel or a hook run during replay); this is not supported");
+  // The allocator's cap the pipeline held for its worker is the user's again after a synchronous run
+  // (the worker waits for the flush lock, so it runs nothing meanwhile).
+  struct ReleaseCap {
+    bool on;
+    ~ReleaseCap() {
+      if (on) Pipeline::get().release_cap();
+    }
+  } release_cap{!req.background};
   std::unique_lock<std::mutex> lock = acquire_flush();
   InFlush guard;
   if (!req.background && !req.read && req.needed.empty()) {
     if (std::exception_ptr e = Pipeline::get().take_error()) std::rethrow_exception(e);
   }
   for (int attempt = 0;; ++attempt) {
-    Segment seg = Program::get().take_prefix(req.upto);
+    Segment seg = Program::get().take_prefix(req.upto, req.live);
     if (seg.nodes.empty()) return;
     const bool again = run_segment(seg, req, attempt);
     Program::get().recycle_tape(std::move(seg.tape));

@@ -14,6 +14,7 @@
 #include <ATen/core/stack.h>
 
 #include "ir/buffer.h"
+#include "ir/program.h"
 
 namespace lazymem {
 
@@ -28,6 +29,8 @@ struct SyncRequest {
   // A read (materialize): raises only its own values' errors, even when `needed` is empty because the
   // pipeline's worker computes them.
   bool read = false;
+  // The pipeline's batch: its live-out set as stamped at the hand-off (Program::snapshot_live).
+  const Program::LiveSnapshot* live = nullptr;
 };
 void sync(const SyncRequest& req);
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import subprocess
 import sys
 
@@ -139,6 +140,57 @@ def test_pipelined_training_is_on_by_default_and_equals_eager_cuda(side_stream):
     finally:
         _C._pipeline_drain()
         torch_lazymem._C._set_pipeline_batch(0)
+
+
+@cuda
+def test_a_capped_step_over_half_the_budget_is_pipelined_and_equals_eager_cuda():
+    """Under the user's memory fraction, a step whose peak is over half lazymem's budget: once its
+    batches repeat, the worker runs them (the recording thread holds the allocator's cap for them),
+    the user's fraction is theirs after every read, the process reserves within the budget, and every
+    step equals eager CUDA bitwise (issue 30)."""
+    torch_lazymem._C._set_pipeline_batch(8)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024))
+    model = copy.deepcopy(ref).to("lazymem")
+    ref.cuda()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, model)]
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8192, 1024, generator=g), torch.randn(8192, 1024, generator=g)
+    try:
+        flushes = []
+        for step in range(8):
+            if step == 1:  # a budget of about 1.6 times the first step's peak (memory_budget())
+                peak = torch_lazymem.stats()["peak_bytes"]
+                others = torch.cuda.memory_allocated() - torch.lazymem.memory_allocated()
+                fraction = (others + 1.6 * peak + (96 << 20)) / total
+                torch.cuda.set_per_process_memory_fraction(fraction)
+                torch.cuda.reset_peak_memory_stats()
+            losses = []
+            before = torch_lazymem.stats()["pipelined_flushes"]
+            for m, opt, dev in ((ref, opts[0], "cuda"), (model, opts[1], "lazymem")):
+                loss = F.mse_loss(m(x.to(dev)), y.to(dev))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                if dev == "lazymem":
+                    _C._pipeline_drain()
+                losses.append(loss.item())
+            flushes.append(torch_lazymem.stats()["pipelined_flushes"] - before)
+            assert losses[0] == losses[1], step
+            if step >= 1:
+                assert abs(torch.cuda.get_per_process_memory_fraction() - fraction) < 1e-12, step
+        budget = torch_lazymem.memory_budget()
+        assert budget / 2 < torch_lazymem.stats()["peak_bytes"] <= budget
+        assert max(flushes[5:]) > 0, flushes
+        for p, r in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.cpu(), r.cpu())
+    finally:
+        _C._pipeline_drain()
+        torch_lazymem._C._set_pipeline_batch(0)
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        del model, ref, opts  # (an optimizer's step wrappers make a cycle: collected now, not later)
+        gc.collect()
 
 
 @cuda
