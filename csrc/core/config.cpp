@@ -181,6 +181,7 @@ static Config* make_config() {
   if (std::optional<bool> v = env_flag("LAZYMEM_CHECK_TAPE")) c->check_tape = *v;
   if (std::optional<bool> v = env_flag("LAZYMEM_PIPELINE")) c->pipeline = *v ? 1 : 0;
   if (std::optional<uint64_t> n = env_count("LAZYMEM_PIPELINE_BATCH")) c->pipeline_batch = std::max<uint64_t>(*n, 1);
+  if (std::optional<uint64_t> n = env_count("LAZYMEM_CHUNK_NODE_NS")) c->chunk_node_ns = static_cast<int64_t>(*n);
   if (std::optional<bool> v = env_flag("LAZYMEM_CHECK_BOUNDARY")) c->check_boundary = *v;
   if (std::optional<uint64_t> n = env_count("LAZYMEM_FLUSH_NODES")) c->flush_threshold_nodes = *n;
   if (const char* b = std::getenv("LAZYMEM_FLUSH_BYTES")) {

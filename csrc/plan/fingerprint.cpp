@@ -152,6 +152,7 @@ void fingerprint(const PlanInput& in, Fingerprint& fp) {
   w.put(uint64_t{in.budget < 0});
   w.put_i(in.resident);
   w.put_i(in.force_chunks);
+  w.put_i(in.chunk_node_ns);
   w.put(uint64_t{in.keep_pending} | (uint64_t{config().debug.load(std::memory_order_relaxed) >= 3} << 1) |
         (static_cast<uint64_t>(in.recompute) << 2));
   w.put(Workspace::get().generation());

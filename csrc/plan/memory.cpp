@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "plan/timing.h"
 #include "plan/workspace.h"
 
 namespace lazymem {
@@ -384,6 +385,38 @@ ChunkChoice choose_chunks(Plan& plan, int64_t budget, int64_t forced, std::vecto
     if (relieve && relieve(*biggest) == Relief::kRecompute) return ChunkChoice::kReplan;
     biggest->host = true;
   }
+}
+
+double chunk_overhead_seconds(const Plan& plan, int64_t node_ns) {
+  double ns = 0;
+  for (const Stage& st : plan.stages) {
+    if (st.loop) ns += static_cast<double>(st.chunks()) * static_cast<double>(st.nodes.size()) * static_cast<double>(node_ns);
+  }
+  return ns * 1e-9;
+}
+
+const FullStore* largest_device_store(const Plan& plan, double* copy_seconds) {
+  const FullStore* biggest = nullptr;
+  size_t at = 0;
+  for (size_t s = 0; s < plan.stages.size(); ++s) {
+    for (const FullStore& f : plan.stages[s].stores) {
+      if (f.host || (biggest && f.buf->nbytes.load() <= biggest->buf->nbytes.load())) continue;
+      biggest = &f;
+      at = s;
+    }
+  }
+  if (!biggest) return nullptr;
+  int readers = 0; // later loops reading it copy its rows back
+  for (size_t s = at + 1; s < plan.stages.size(); ++s) {
+    bool reads = false;
+    for (const PlannedNode& pn : plan.stages[s].nodes) {
+      for (const Use& u : pn.node->uses) reads = reads || u.ref.buf.get() == biggest->buf;
+      if (reads) break;
+    }
+    readers += reads;
+  }
+  *copy_seconds = predicted_copy_seconds(static_cast<int64_t>(biggest->buf->nbytes.load())) * (1 + readers);
+  return biggest;
 }
 
 } // namespace lazymem

@@ -64,4 +64,11 @@ enum class ChunkChoice : uint8_t { kFits, kNoFit, kReplan };
 ChunkChoice choose_chunks(Plan& plan, int64_t budget, int64_t forced, std::vector<std::string>& notes,
                           const std::function<Relief(const FullStore&)>& relieve = {});
 
+// Where each node costs `node_ns` per chunk beyond its share of the work (a kernel launch on a GPU),
+// what the plan's loops spend on it: nodes x chunks x node_ns, in seconds.
+double chunk_overhead_seconds(const Plan& plan, int64_t node_ns);
+// The largest value the plan stores whole on the device (nullptr: none), and what holding it in host
+// memory instead would cost in copies (its bytes out, and back for each later loop reading it).
+const FullStore* largest_device_store(const Plan& plan, double* copy_seconds);
+
 } // namespace lazymem

@@ -34,6 +34,11 @@ struct PlanInput {
   // in host memory costs less: the recomputing nodes' measured time against the copies' modeled time
   // (plan/timing.h); until the nodes have run once, as kWhenTooBig (the plan says it is unpriced).
   enum class Recompute : uint8_t { kNever, kWhenTooBig, kAlways, kPriced } recompute = Recompute::kWhenTooBig;
+  // What each node costs each chunk beyond its share of the work, in nanoseconds (0: nothing worth
+  // trading). On a GPU a kernel launch is several microseconds whatever its size, so many small
+  // chunks cost time that holding a large stored value in host memory instead can save
+  // (prefer_host_store, plan/memory.h).
+  int64_t chunk_node_ns = 0;
 };
 
 Plan make_plan(const PlanInput& in);

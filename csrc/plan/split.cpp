@@ -66,7 +66,16 @@ bool SplitBuilder::build() {
     const ChunkChoice c = choose_chunks(plan_, in_.budget, in_.force_chunks, a_.notes,
                                         [&](const FullStore& f) { return relieve(f); });
     if (c == ChunkChoice::kFits) {
+      if (try_host_store()) {
+        reset_emission();
+        continue;
+      }
       if (!price_recompute()) break;
+      reset_emission();
+      continue;
+    }
+    if (c == ChunkChoice::kNoFit && host_trial_ == HostTrial::kTrying) {
+      try_host_store(/*fits=*/false); // undone: sized again as it was
       reset_emission();
       continue;
     }
@@ -86,6 +95,15 @@ bool SplitBuilder::build() {
   }
   note_split(plan_, a_);
   if (!price_note_.empty()) plan_.notes.push_back(price_note_);
+  if (!host_note_.empty()) {
+    // (Held there to save chunks, not because it does not fit: the note says which.)
+    const std::string prefix = host_note_.substr(0, host_note_.find(')') + 1);
+    plan_.notes.erase(std::remove_if(plan_.notes.begin(), plan_.notes.end(), [&](const std::string& n) {
+                        return n.rfind(prefix, 0) == 0 && n.find("does not fit the device budget") != std::string::npos;
+                      }),
+                      plan_.notes.end());
+    plan_.notes.push_back(host_note_);
+  }
   return true;
 }
 
@@ -434,6 +452,36 @@ bool SplitBuilder::price_recompute() {
     }
   }
   update_full();
+  return true;
+}
+
+bool SplitBuilder::try_host_store(bool fits) {
+  const int64_t node_ns = in_.force_chunks > 0 ? 0 : in_.chunk_node_ns;
+  if (node_ns <= 0 || in_.budget < 0 || host_trial_ == HostTrial::kDone) return false;
+  if (host_trial_ == HostTrial::kTrying) {
+    host_trial_ = HostTrial::kDone;
+    const double saved = trial_before_ - chunk_overhead_seconds(plan_, node_ns);
+    if (!fits || !plan_.split || plan_.last_resort || saved - trial_copies_ < 0.2 * trial_before_) {
+      host_ = host_before_trial_; // not worth it: as it was
+      return true;
+    }
+    std::ostringstream os;
+    os << trial_name_ << " held in host memory rather than on the device: " << format_seconds(trial_copies_)
+       << " of copies against " << format_seconds(saved) << " of per-chunk kernel costs saved (fewer chunks)";
+    host_note_ = os.str();
+    return false;
+  }
+  host_trial_ = HostTrial::kDone; // one trial per plan
+  double copies = 0;
+  const FullStore* f = largest_device_store(plan_, &copies);
+  const double before = chunk_overhead_seconds(plan_, node_ns);
+  if (!f || copies >= 0.8 * before) return false; // no chunk count makes up for it
+  host_before_trial_ = host_;
+  host_[a_.index.at(f->buf)] = 1;
+  trial_before_ = before;
+  trial_copies_ = copies;
+  trial_name_ = "b" + std::to_string(f->buf->id) + " (" + format_bytes(f->buf->nbytes.load()) + ")";
+  host_trial_ = HostTrial::kTrying;
   return true;
 }
 

@@ -149,6 +149,15 @@ class SplitBuilder {
   bool priced_ = false;      // price_recompute() has decided
   std::string price_note_;   // and why
   bool prefer_host_ = false; // it chose host memory: relieve() recomputes nothing
+  // Where chunks cost per node (PlanInput::chunk_node_ns): the largest value stored whole on the
+  // device is tried in host memory once, kept there if the chunks it saves outweigh its copies by a
+  // fifth of the time they cost (plan/memory.h chunk_overhead_seconds), else put back.
+  bool try_host_store(bool fits = true); // true: emit the plan again (a trial starts or is undone)
+  enum class HostTrial : uint8_t { kNone, kTrying, kDone } host_trial_ = HostTrial::kNone;
+  std::vector<char> host_before_trial_;
+  double trial_before_ = 0, trial_copies_ = 0;
+  std::string trial_name_;
+  std::string host_note_;     // why a store is in host memory when it was tried there
   std::vector<char> saved_recompute_, saved_refused_, saved_host_; // the decisions before it did
   bool copying_ = false; // planned_loop_node binds a node run again (recompute)
   std::vector<uint64_t> pins_;

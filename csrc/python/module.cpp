@@ -230,6 +230,7 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_pipeline_drain", drain_pipeline);
   m.def("_set_pipeline_batch", [](uint64_t n) { config().pipeline_batch = n; }); // 0: the default
+  m.def("_set_chunk_node_ns", [](int64_t ns) { config().chunk_node_ns = ns; });    // -1: the device's
   flush_hooks().without_gil = [](const std::function<void()>& wait) {
     if (Py_IsInitialized() && PyGILState_Check()) {
       py::gil_scoped_release nogil;

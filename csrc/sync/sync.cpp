@@ -61,6 +61,12 @@ std::unique_lock<std::mutex> acquire_flush() {
   return lk;
 }
 
+// What a node costs per chunk on an accelerator beyond its share of the work: on an H200
+// (tools/gpu_check.py) lazymem ran tiny ops at 8-9 us each, recording included, and the capped GPT-2
+// step at 4x eager's batch in 32 one-row chunks took 124 ms more than 4 eager steps, about 6-10 us
+// per node and chunk (kernels of one row also leave the GPU idle).
+constexpr int64_t kAcceleratorNodeNs = 8000;
+
 // Device bytes lazymem holds: its values and, on a CUDA-like device, its kernels' workspaces.
 int64_t device_bytes_held() {
   return backing_device().is_cpu() ? device_counter().allocated() : lazymem_device_bytes();
@@ -428,6 +434,10 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   in.whole_budget = whole_plan_target(budget);
   in.force_chunks = config().force_chunks.load(std::memory_order_relaxed);
   in.cpu_backing = backing_device().is_cpu();
+  // A kernel launch on an accelerator, whatever its size; on the CPU a chunk's kernels cost about
+  // their share of the work.
+  const int64_t node_ns = config().chunk_node_ns.load(std::memory_order_relaxed);
+  in.chunk_node_ns = node_ns >= 0 ? node_ns : in.cpu_backing ? 0 : kAcceleratorNodeNs;
   const int recompute = config().recompute.load(std::memory_order_relaxed);
   in.recompute = recompute == 0                                              ? PlanInput::Recompute::kNever
                  : config().force_recompute.load(std::memory_order_relaxed) ? PlanInput::Recompute::kAlways

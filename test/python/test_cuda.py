@@ -179,7 +179,8 @@ def test_a_capped_step_over_half_the_budget_is_pipelined_and_equals_eager_cuda()
             flushes.append(torch_lazymem.stats()["pipelined_flushes"] - before)
             assert losses[0] == losses[1], step
             if step >= 1:
-                assert abs(torch.cuda.get_per_process_memory_fraction() - fraction) < 1e-12, step
+                # (the allocator keeps the fraction as whole bytes of the device's memory)
+                assert abs(torch.cuda.get_per_process_memory_fraction() - fraction) < 1e-9, step
         budget = torch_lazymem.memory_budget()
         assert budget / 2 < torch_lazymem.stats()["peak_bytes"] <= budget
         assert max(flushes[5:]) > 0, flushes

@@ -198,3 +198,52 @@ def test_an_allocation_failure_with_a_copy_in_flight_loses_nothing(failure):
         assert torch.lazymem.max_memory_allocated() <= 6 * MIB
         assert injected_failures() == fired + 1
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want)
+
+
+def held_logits_step(device: str, steps: int = 3) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A float64 MLP whose logits the user holds through backward and the optimizer step (as
+    `out = model(x); loss = ...; loss.backward()` does): they must be stored whole."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(32, 256), torch.nn.Tanh()]
+    for _ in range(3):
+        layers += [torch.nn.Linear(256, 256), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(256, 512)).double().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(1024, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(device)
+    y = torch.randint(0, 512, (1024,), generator=torch.Generator().manual_seed(2)).to(device)
+    kept = []
+    for _ in range(steps):
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        kept.append(loss.detach().cpu())
+    return kept + [logits.detach().cpu()], [p.detach().cpu() for p in model.parameters()]
+
+
+def test_a_held_result_goes_to_host_memory_where_chunks_cost_more_than_its_copy():
+    """Where each node costs a kernel launch per chunk (a GPU: PlanInput::chunk_node_ns, set here on
+    the simulated device), the 4 MiB of logits the user holds go to host memory, written out once,
+    and the step runs in fewer, larger chunks than with them on the device, where they stay at cost 0
+    (the CPU). Either way eager's values and a peak within the budget (issue 30 item 4)."""
+    want, want_params = held_logits_step("cpu")
+    runs = {}
+    for node_ns in (0, 8000):
+        torch_lazymem._C._set_chunk_node_ns(node_ns)
+        try:
+            with simulated_device("12MiB"):
+                torch_lazymem.reset_stats()
+                got, params = held_logits_step("lazymem")
+                runs[node_ns] = (torch_lazymem.stats(), torch_lazymem.explain(print_it=False))
+                budget = torch_lazymem.memory_budget()
+        finally:
+            torch_lazymem._C._set_chunk_node_ns(-1)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(params, want_params)
+        stats, text = runs[node_ns]
+        assert stats["splits"] > 0 and stats["peak_bytes"] <= budget, stats
+        moved = "held in host memory rather than on the device" in text
+        assert moved == (node_ns > 0), text
+        assert (stats["values_in_host_memory"] > 0) == (node_ns > 0), (stats, text)
+    assert runs[8000][0]["chunks"] < runs[0][0]["chunks"], (runs[8000][1], runs[0][1])

@@ -105,7 +105,7 @@ class ProgramBuilder {
   }
   // Detaches everything and plans it with `live` surviving and `needed` read.
   Plan plan(std::vector<T> live, std::vector<T> needed, int64_t force_chunks, int64_t budget = -1,
-            int64_t whole_budget = -1) {
+            int64_t whole_budget = -1, int64_t chunk_node_ns = 0) {
     seg_ = program_.take_prefix(UINT64_MAX);
     live_.clear();
     for (const T& t : live) live_.insert(t.buf.get());
@@ -116,6 +116,7 @@ class ProgramBuilder {
     in.force_chunks = force_chunks;
     in.budget = budget;
     in.whole_budget = whole_budget;
+    in.chunk_node_ns = chunk_node_ns;
     return make_plan(in);
   }
 

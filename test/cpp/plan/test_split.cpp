@@ -218,6 +218,48 @@ TEST(Plans, AProgramThatFitsTheWholeAllowanceIsNotSplit) {
   EXPECT_LE(p3.predicted_peak, unsplit - 1);
 }
 
+// A result the user holds, stored whole on the device, leaves its chunks little room. Where each
+// node costs a kernel launch per chunk (a GPU), holding it in host memory (one copy out) and running
+// fewer, larger chunks is faster: the planner weighs the two (issue 30 item 4). Where chunks cost
+// only their work (the CPU: node cost 0), it stays on the device.
+TEST(Plans, AHeldResultGoesToHostMemoryWhenItSavesManyChunks) {
+  struct Held {
+    ProgramBuilder b;
+    T x, w, y, s, g;
+    Held() {
+      x = b.upload({512, 64});
+      w = b.upload({64, 64}, /*module_state=*/true);
+      y = b.op("aten::mm", "", {kNone, kNone}, {{0, x}, {1, w}}, {{512, 64}})[0];
+      s = b.op("aten::sum", "dim_IntList", {kNone, c10::IValue(std::vector<int64_t>{0}), c10::IValue(false), kNone},
+               {{0, y}}, {{64}})[0];
+      g = b.op("aten::mm", "", {kNone, kNone}, {{0, transposed(x)}, {1, y}}, {{64, 64}})[0];
+    }
+  };
+  auto stored = [](const Plan& p) -> const FullStore* {
+    for (const Stage& st : p.stages) {
+      for (const FullStore& f : st.stores) return &f;
+    }
+    return nullptr;
+  };
+  // (float64) w 32 KiB and g, the held result y 256 KiB, and 40 KiB for the chunks' rows
+  const int64_t budget = (32 << 10) + (32 << 10) + (256 << 10) + (40 << 10);
+  Held a;
+  Plan on_device = a.b.plan({a.y, a.s, a.g}, {a.y, a.s, a.g}, 0, budget);
+  ASSERT_TRUE(on_device.split) << on_device.to_string();
+  ASSERT_NE(stored(on_device), nullptr) << on_device.to_string();
+  EXPECT_FALSE(stored(on_device)->host) << on_device.to_string();
+  Held c;
+  Plan on_host = c.b.plan({c.y, c.s, c.g}, {c.y, c.s, c.g}, 0, budget, -1, /*chunk_node_ns=*/5000);
+  ASSERT_TRUE(on_host.split) << on_host.to_string();
+  ASSERT_NE(stored(on_host), nullptr) << on_host.to_string();
+  EXPECT_TRUE(stored(on_host)->host) << on_host.to_string();
+  ASSERT_NE(only_loop(on_host), nullptr);
+  EXPECT_LT(only_loop(on_host)->chunks(), only_loop(on_device)->chunks()) << on_host.to_string() << on_device.to_string();
+  EXPECT_LE(on_host.predicted_peak, budget);
+  EXPECT_NE(on_host.to_string().find("held in host memory rather than on the device"), std::string::npos)
+      << on_host.to_string();
+}
+
 TEST(Plans, NothingRunsWhenNoResultSurvives) {
   for (bool survives : {false, true}) {
     ProgramBuilder b;
