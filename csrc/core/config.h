@@ -82,8 +82,8 @@ struct Config {
   // 0: Pipeline::kBatchAccelerator (64) on an accelerator, Pipeline::kBatchCpu (1,024) on the CPU.
   std::atomic<uint64_t> pipeline_batch{0};
   // What the planner takes a node to cost per chunk beyond its work, in ns (PlanInput::chunk_node_ns;
-  // LAZYMEM_CHUNK_NODE_NS): -1, the backing device's (a GPU's kernel launch, 0 on the CPU). Set on
-  // the CPU backing, tests exercise the GPU's trade of chunks against host memory.
+  // LAZYMEM_CHUNK_NODE_NS; -1 or 0: nothing, the default until it is right on a GPU, see sync.cpp).
+  // Set on the CPU backing, tests exercise the GPU's trade of chunks against host memory.
   std::atomic<int64_t> chunk_node_ns{-1};
   // Meta-inference cache entries kept before the cache is cleared (LAZYMEM_META_CACHE_SIZE).
   std::atomic<uint64_t> meta_cache_capacity{1u << 16};

@@ -77,6 +77,7 @@ class Program {
   struct LiveSnapshot {
     uint64_t upto = 0, epoch = 0, takes = 0;
     int64_t resident = 0; // device bytes lazymem held then (set by the caller)
+    uint64_t offset = 0;  // nodes handed before it since the last read (the pipeline's)
   };
   LiveSnapshot snapshot_live(uint64_t upto);
   // Detaches pending nodes with seq <= upto (all of them if upto is past the end), with the live-out

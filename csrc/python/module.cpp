@@ -174,6 +174,9 @@ PYBIND11_MODULE(_C, m) {
   });
 
   m.def("_memory_allocated", memory_allocated);
+  // What the planner counts as held before a program runs: values, and on a CUDA-like device the
+  // workspaces lazymem's kernels left (cuBLAS's, one per thread and stream).
+  m.def("_device_bytes_held", [] { return backing_is_cpu() ? device_counter().allocated() : lazymem_device_bytes(); });
   m.def("_max_memory_allocated", [] { return backing_is_cpu() ? device_counter().peak() : resident_bytes(); });
   m.def("_reset_peak_memory_stats", [] { device_counter().reset_peak(); });
   m.def("_device_capacity", [] { return device_counter().capacity(); });

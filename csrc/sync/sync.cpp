@@ -61,11 +61,6 @@ std::unique_lock<std::mutex> acquire_flush() {
   return lk;
 }
 
-// What a node costs per chunk on an accelerator beyond its share of the work: on an H200
-// (tools/gpu_check.py) lazymem ran tiny ops at 8-9 us each, recording included, and the capped GPT-2
-// step at 4x eager's batch in 32 one-row chunks took 124 ms more than 4 eager steps, about 6-10 us
-// per node and chunk (kernels of one row also leave the GPU idle).
-constexpr int64_t kAcceleratorNodeNs = 8000;
 
 // Device bytes lazymem holds: its values and, on a CUDA-like device, its kernels' workspaces.
 int64_t device_bytes_held() {
@@ -81,10 +76,10 @@ int64_t device_bytes_held() {
 //
 // How near the budget a batch may come: a batch runs eagerly, and what it leaves allocated can no
 // longer be split, so a step that grew (a longer sequence) could run its forward on the worker and
-// leave its backward no room. A batch whose plan is new (a shape not seen at this point of a step)
-// stays within half the budget, as before; one whose plan is reused (the same batch at the same
-// point of an earlier step, which completed) may come as near the budget as the arming
-// materialization did, plus 1/32 of the budget. Under a memory cap the recording thread holds the
+// leave its backward no room. A batch that repeats the last step that ran within the budget (its
+// plan reused, or its nodes those of that step at the same point: the same ops on the same shapes)
+// may come as near the budget as the arming materialization did, plus 1/32 of the budget; any other
+// (a shape not seen at this point of a step) stays within half the budget. Under a memory cap the recording thread holds the
 // caching allocator's cap for the worker's batches (cap_allocator), as a synchronous run would.
 class Pipeline {
  public:
@@ -93,16 +88,20 @@ class Pipeline {
     return *p;
   }
 
-  // After a materialization on a recording thread: whether the next steps may be pipelined, and how
-  // near the budget a batch with a reused plan may come (see above).
-  void rearm(bool fits, int64_t reused_limit) {
-    reused_limit_.store(reused_limit, std::memory_order_relaxed);
+  // After a materialization on a recording thread: whether the next steps may be pipelined, and its
+  // peak (how near the budget a batch that repeats the step may come: see above; 0 none).
+  void rearm(bool fits, int64_t peak) {
+    armed_peak_.store(fits ? peak : 0, std::memory_order_relaxed);
     armed_.store(fits && enabled(), std::memory_order_relaxed);
   }
-  // The largest predicted peak of a batch the worker runs (`budget`: the plan's target, -1 none).
-  int64_t batch_limit(int64_t budget, bool reused) const {
+  // The largest predicted peak of a batch the worker runs (`budget`: the plan's target, -1 none;
+  // `whole`: what an unsplit plan may hold). Never past the budget in force now: the arming step may
+  // have run under a larger one (torch_lazymem.set_memory_budget since).
+  int64_t batch_limit(int64_t budget, int64_t whole, bool repeats) const {
     if (budget < 0) return INT64_MAX;
-    return reused ? std::max(budget / 2, reused_limit_.load(std::memory_order_relaxed)) : budget / 2;
+    const int64_t allowed = std::max(budget, whole), armed = armed_peak_.load(std::memory_order_relaxed);
+    if (!repeats || armed <= 0 || armed > allowed) return budget / 2;
+    return std::max(budget / 2, std::min(allowed, armed + budget / 32));
   }
   void disarm() {
     armed_.store(false, std::memory_order_relaxed);
@@ -134,6 +133,7 @@ class Pipeline {
       upto_ = p.seq_at(batch - 1);
       live_ = p.snapshot_live(upto_);
       live_.resident = device_bytes_held(); // (the worker is idle: none of it is a run's)
+      live_.offset = handed_nodes_.fetch_add(batch, std::memory_order_relaxed);
       if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
     }
     hold_cap();
@@ -144,9 +144,10 @@ class Pipeline {
   // set from the recording thread (a Python call; the worker would wait for the GIL each batch) and
   // held until the recording thread's next synchronous run. No lock is held across the call.
   void hold_cap() {
-    if (reused_limit_.load(std::memory_order_relaxed) <= 0) return;
+    if (armed_peak_.load(std::memory_order_relaxed) <= 0) return;
     const int64_t budget = memory_budget();
-    if (budget < 0 || reused_limit_.load(std::memory_order_relaxed) <= plan_target(budget) / 2) return;
+    const int64_t target = plan_target(budget);
+    if (budget < 0 || batch_limit(target, whole_plan_target(budget), true) <= target / 2) return;
     int expected = kCapNone;
     if (!cap_state_.compare_exchange_strong(expected, kCapChanging)) return;
     cap_restore_ = cap_allocator(budget);
@@ -195,6 +196,31 @@ class Pipeline {
   void read_ran() {
     handed_since_read_.store(false, std::memory_order_relaxed);
     handed_count_.store(0, std::memory_order_relaxed);
+    handed_nodes_.store(0, std::memory_order_relaxed);
+  }
+
+  // The step's node signatures (Node::sig), in program order: each batch the worker ran, then the
+  // read that ends the step. A step that fit is what later batches are compared against (repeats).
+  void note_step(const Segment& seg, bool ends_step, bool fits) {
+    std::lock_guard<std::mutex> lk(sigs_mu_);
+    for (const auto& n : seg.nodes) {
+      if (n) step_sigs_.push_back(n->sig); // (nodes put back pending are not the step's yet)
+    }
+    if (!ends_step) return;
+    if (fits) {
+      armed_sigs_.swap(step_sigs_);
+    }
+    step_sigs_.clear();
+  }
+  // Whether a batch handed `offset` nodes after the read has the nodes of the armed step there.
+  bool repeats(const Segment& seg, uint64_t offset) {
+    std::lock_guard<std::mutex> lk(sigs_mu_);
+    if (offset + seg.nodes.size() > armed_sigs_.size()) return false;
+    for (size_t i = 0; i < seg.nodes.size(); ++i) {
+      const uint64_t sig = seg.nodes[i]->sig;
+      if (sig == 0 || sig != armed_sigs_[offset + i]) return false;
+    }
+    return true;
   }
 
  private:
@@ -238,7 +264,7 @@ class Pipeline {
   }
 
   std::atomic<bool> armed_{false};
-  std::atomic<int64_t> reused_limit_{0};
+  std::atomic<int64_t> armed_peak_{0}; // the arming materialization's peak (0: none)
   static constexpr int kCapNone = 0, kCapChanging = 1, kCapHeld = 2;
   std::atomic<int> cap_state_{kCapNone};
   double cap_restore_ = 0.0; // written only by the thread that moved cap_state_ to kCapChanging
@@ -246,6 +272,9 @@ class Pipeline {
   // and 654 ops: tools/gpu_check.py check 10.)
   static constexpr size_t kBatchCpu = 1024, kBatchAccelerator = 64, kFirstBatch = 8;
   std::atomic<size_t> handed_count_{0}; // batches handed since the recording thread's last materialization
+  std::atomic<uint64_t> handed_nodes_{0}; // their nodes
+  std::mutex sigs_mu_;
+  std::vector<uint64_t> armed_sigs_, step_sigs_; // (sigs_mu_) see note_step
   std::atomic<bool> handed_{false}; // from a hand-off until the worker has run it (read unlocked)
   std::atomic<bool> handed_since_read_{false};
   std::mutex mu_;
@@ -434,10 +463,13 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   in.whole_budget = whole_plan_target(budget);
   in.force_chunks = config().force_chunks.load(std::memory_order_relaxed);
   in.cpu_backing = backing_device().is_cpu();
-  // A kernel launch on an accelerator, whatever its size; on the CPU a chunk's kernels cost about
-  // their share of the work.
+  // Off unless set (LAZYMEM_CHUNK_NODE_NS): on an H200 about 8,000 ns (lazymem's tiny ops ran at
+  // 8-9 us each; the capped GPT-2 step at 4x eager's batch in 32 one-row chunks took 6-10 us per
+  // node and chunk beyond 4 eager steps), and with it the capped 4x step ran in 16 chunks at 0.49x
+  // eager per sample instead of 32 at 0.40x, but tools/gpu_check.py's float64 GPT-2 split (check 5)
+  // then found no split plan on the GPU, for a reason not reproduced on the CPU yet.
   const int64_t node_ns = config().chunk_node_ns.load(std::memory_order_relaxed);
-  in.chunk_node_ns = node_ns >= 0 ? node_ns : in.cpu_backing ? 0 : kAcceleratorNodeNs;
+  in.chunk_node_ns = std::max<int64_t>(node_ns, 0);
   const int recompute = config().recompute.load(std::memory_order_relaxed);
   in.recompute = recompute == 0                                              ? PlanInput::Recompute::kNever
                  : config().force_recompute.load(std::memory_order_relaxed) ? PlanInput::Recompute::kAlways
@@ -452,8 +484,9 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
     plan = make_plan(in);
   }
   const auto planned = std::chrono::steady_clock::now();
+  const bool repeats = plan.reused || (seg.live_snapshot && Pipeline::get().repeats(seg, req.live->offset));
   if (req.background && (plan.split || !plan.retained.empty() ||
-                         plan.predicted_peak > Pipeline::get().batch_limit(in.budget, plan.reused))) {
+                         plan.predicted_peak > Pipeline::get().batch_limit(in.budget, in.whole_budget, repeats))) {
     // Not an unsplit plan within the pipeline's limit: the worker runs eager's kernels in program
     // order only, and leaves this batch to the recording thread's next materialization. (Split plans
     // run on the worker while recording went on drew wrong random numbers in the forced-chunk RNG
@@ -461,8 +494,8 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
     if (config().debug) {
       std::fprintf(stderr, "[lazymem] pipeline: a batch of %zu ops given back (%s, predicted peak %s, limit %s)\n",
                    seg.nodes.size(), plan.split ? "split" : !plan.retained.empty() ? "keeps ops pending"
-                   : plan.reused ? "reused plan" : "new plan", format_bytes(plan.predicted_peak).c_str(),
-                   format_bytes(Pipeline::get().batch_limit(in.budget, plan.reused)).c_str());
+                   : repeats ? "repeating the last step" : "new plan", format_bytes(plan.predicted_peak).c_str(),
+                   format_bytes(Pipeline::get().batch_limit(in.budget, in.whole_budget, repeats)).c_str());
     }
     recycle_plan(std::move(plan));
     return give_back_batch(seg);
@@ -550,11 +583,13 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   const int64_t peak = std::max(out.peak, plan.predicted_peak);
   if (!req.background) {
     const bool fits = !plan.split && !out.oom && (in.budget < 0 || peak <= std::max(in.budget, in.whole_budget));
-    const int64_t limit = in.budget < 0 ? 0 : std::min(std::max(in.budget, in.whole_budget), peak + in.budget / 32);
+    Pipeline::get().note_step(seg, /*ends_step=*/true, fits);
     Pipeline::get().read_ran();
-    Pipeline::get().rearm(fits, limit);
-  } else if (plan.split || out.oom || out.peak > Pipeline::get().batch_limit(in.budget, plan.reused)) {
+    Pipeline::get().rearm(fits, peak);
+  } else if (plan.split || out.oom || out.peak > Pipeline::get().batch_limit(in.budget, in.whole_budget, repeats)) {
     Pipeline::get().disarm();
+  } else {
+    Pipeline::get().note_step(seg, /*ends_step=*/false, true);
   }
   // A read raises only its own values' errors (materialize checks them); flushes that need
   // everything (synchronize, auto-flush, generator state) raise the first one.

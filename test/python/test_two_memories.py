@@ -77,9 +77,8 @@ def test_values_held_in_host_memory_across_passes_cross_the_boundary_both_ways(r
     """set_recompute(False): activations crossing passes are written to host memory (device to host)
     and read back chunk by chunk (host to device); with recompute nothing crosses. Eager's state either
     way, peak within the cap (test_split_recompute checks the same step against eager)."""
-    from test_split_recompute import WideBNNet, recompute_set_to
-
     from splitting import sgd_step_where_eager_runs_out
+    from test_split_recompute import WideBNNet, recompute_set_to
 
     torch.manual_seed(0)
     model = WideBNNet().double()
