@@ -466,8 +466,9 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   // Off unless set (LAZYMEM_CHUNK_NODE_NS): on an H200 about 8,000 ns (lazymem's tiny ops ran at
   // 8-9 us each; the capped GPT-2 step at 4x eager's batch in 32 one-row chunks took 6-10 us per
   // node and chunk beyond 4 eager steps), and with it the capped 4x step ran in 16 chunks at 0.49x
-  // eager per sample instead of 32 at 0.40x, but tools/gpu_check.py's float64 GPT-2 split (check 5)
-  // then found no split plan on the GPU, for a reason not reproduced on the CPU yet.
+  // eager per sample instead of 32 at 0.40x, but that run (which also had the pipeline's repeat rule
+  // before its clamp to the budget in force) failed tools/gpu_check.py's float64 GPT-2 split, which
+  // neither reproduces on the CPU: on once a GPU run passes with it.
   const int64_t node_ns = config().chunk_node_ns.load(std::memory_order_relaxed);
   in.chunk_node_ns = std::max<int64_t>(node_ns, 0);
   const int recompute = config().recompute.load(std::memory_order_relaxed);

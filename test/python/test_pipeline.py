@@ -114,15 +114,15 @@ def test_a_step_near_the_budget_is_pipelined_where_its_batches_repeat():
     assert torch.equal(out, chain(a, 2000))
 
 
-_MODELS: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, torch.Generator]] = {}
+State = tuple[torch.nn.Module, torch.optim.Optimizer, torch.Generator]
 
 
-def capped_mlp_steps(device: str, batches: list[int], skip: int = 0) -> tuple[list[float], list[int]]:
+def capped_mlp_steps(device: str, batches: list[int], state: list[State] | None = None) -> tuple[list[float], list[int]]:
     """AdamW steps of an MLP whose activations are most of what it holds, one per batch size, loss
-    read after each; lazymem's batches on the worker per step. `skip` > 0 goes on from the last call's
-    model, optimizer and data (after its first `skip` batches)."""
-    if skip:
-        model, opt, g = _MODELS.pop(device)
+    read after each; lazymem's batches on the worker per step. `state`, if given, holds the model,
+    optimizer and data generator: taken from it if there, left in it after."""
+    if state:
+        model, opt, g = state.pop()
     else:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 128),
@@ -133,7 +133,7 @@ def capped_mlp_steps(device: str, batches: list[int], skip: int = 0) -> tuple[li
                 m.register_forward_hook(lambda *_: torch_lazymem._C._pipeline_drain())
         g = torch.Generator().manual_seed(3)
     losses, flushes = [], []
-    for rows in batches[skip:]:
+    for rows in batches:
         x, y = torch.randn(rows, 64, generator=g).to(device), torch.randint(0, 10, (rows,), generator=g).to(device)
         before = torch_lazymem.stats()["pipelined_flushes"]
         loss = F.cross_entropy(model(x), y)
@@ -144,7 +144,8 @@ def capped_mlp_steps(device: str, batches: list[int], skip: int = 0) -> tuple[li
             torch_lazymem._C._pipeline_drain()
         losses.append(loss.item())
         flushes.append(torch_lazymem.stats()["pipelined_flushes"] - before)
-    _MODELS[device] = (model, opt, g)
+    if state is not None:
+        state.append((model, opt, g))
     return losses, flushes
 
 
@@ -232,16 +233,18 @@ def test_a_budget_lowered_after_the_pipeline_armed_splits_as_if_never_pipelined(
     torch_lazymem._C._set_pipeline_batch(8)
     batches = [1024] * 5
     ref, _ = capped_mlp_steps("cpu", batches)
+    state: list[State] = []
     with simulated_device("64MiB"):
-        got, _ = capped_mlp_steps(LAZY, batches[:2])
+        got, _ = capped_mlp_steps(LAZY, batches[:2], state)
         peak = torch_lazymem.stats()["peak_bytes"]
         torch_lazymem.set_memory_budget(int(peak * 0.6))
         try:
             torch_lazymem.reset_stats()
-            more, _ = capped_mlp_steps(LAZY, batches, skip=2)
+            more, _ = capped_mlp_steps(LAZY, batches[2:], state)
             stats = torch_lazymem.stats()
         finally:
             torch_lazymem.set_memory_budget(None)
+            state.clear()
     assert got == ref[:2]
     torch.testing.assert_close(torch.tensor(more), torch.tensor(ref[2:]))  # (split: float32 sums in chunks)
     assert stats["splits"] > 0 and stats["oom_retries"] == 0, stats
