@@ -90,8 +90,10 @@ class Pipeline {
 
   // After a materialization on a recording thread: whether the next steps may be pipelined, and its
   // peak (how near the budget a batch that repeats the step may come: see above; 0 none).
-  void rearm(bool fits, int64_t peak) {
+  void rearm(bool fits, int64_t peak, int64_t budget, int64_t whole) {
     armed_peak_.store(fits ? peak : 0, std::memory_order_relaxed);
+    // (Whether batches may come over half the budget, so the allocator is to be capped for them.)
+    cap_wanted_.store(fits && budget >= 0 && batch_limit(budget, whole, true) > budget / 2, std::memory_order_relaxed);
     armed_.store(fits && enabled(), std::memory_order_relaxed);
   }
   // The largest predicted peak of a batch the worker runs (`budget`: the plan's target, -1 none;
@@ -144,7 +146,7 @@ class Pipeline {
   // set from the recording thread (a Python call; the worker would wait for the GIL each batch) and
   // held until the recording thread's next synchronous run. No lock is held across the call.
   void hold_cap() {
-    if (armed_peak_.load(std::memory_order_relaxed) <= 0) return;
+    if (!cap_wanted_.load(std::memory_order_relaxed)) return;
     const int64_t budget = memory_budget();
     const int64_t target = plan_target(budget);
     if (budget < 0 || batch_limit(target, whole_plan_target(budget), true) <= target / 2) return;
@@ -265,6 +267,7 @@ class Pipeline {
 
   std::atomic<bool> armed_{false};
   std::atomic<int64_t> armed_peak_{0}; // the arming materialization's peak (0: none)
+  std::atomic<bool> cap_wanted_{false};
   static constexpr int kCapNone = 0, kCapChanging = 1, kCapHeld = 2;
   std::atomic<int> cap_state_{kCapNone};
   double cap_restore_ = 0.0; // written only by the thread that moved cap_state_ to kCapChanging
@@ -586,7 +589,7 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
     const bool fits = !plan.split && !out.oom && (in.budget < 0 || peak <= std::max(in.budget, in.whole_budget));
     Pipeline::get().note_step(seg, /*ends_step=*/true, fits);
     Pipeline::get().read_ran();
-    Pipeline::get().rearm(fits, peak);
+    Pipeline::get().rearm(fits, peak, in.budget, in.whole_budget);
   } else if (plan.split || out.oom || out.peak > Pipeline::get().batch_limit(in.budget, in.whole_budget, repeats)) {
     Pipeline::get().disarm();
   } else {
