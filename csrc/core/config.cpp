@@ -32,6 +32,7 @@ std::map<std::string, int64_t> Stats::snapshot() const {
       {"nodes_collected", ld(nodes_collected)},
       {"peak_bytes", ld(peak_bytes)},
       {"auto_flushes", ld(auto_flushes)},
+      {"pipeline_handed", ld(pipeline_handed)},
       {"pipelined_flushes", ld(pipelined_flushes)},
       {"pipeline_given_back", ld(pipeline_given_back)},
       {"pipeline_worker_ns", ld(pipeline_worker_ns)},
@@ -80,6 +81,7 @@ void Stats::reset() {
   nodes_collected = 0;
   peak_bytes = 0;
   auto_flushes = 0;
+  pipeline_handed = 0;
   pipelined_flushes = 0;
   pipeline_given_back = 0;
   pipeline_worker_ns = 0;

@@ -22,8 +22,9 @@ struct Stats {
   std::atomic<uint64_t> nodes_executed{0};
   std::atomic<uint64_t> nodes_eliminated{0};
   std::atomic<uint64_t> nodes_collected{0}; // pending nodes dropped because nobody could read them
-  std::atomic<int64_t> peak_bytes{0};        // peak device bytes during the last materialization
+  std::atomic<int64_t> peak_bytes{0};        // peak device bytes during the last materialization (pipelined: the step's, batches and read)
   std::atomic<uint64_t> auto_flushes{0};
+  std::atomic<uint64_t> pipeline_handed{0};   // batches handed to the pipeline's worker
   std::atomic<uint64_t> pipelined_flushes{0}; // batches the pipeline's worker ran while recording went on
   std::atomic<uint64_t> pipeline_given_back{0}; // batches it left to the recording thread (split, new and near the budget)
   std::atomic<uint64_t> pipeline_worker_ns{0};  // the worker's time planning and running batches

@@ -193,7 +193,8 @@ uint64_t Program::stamp_live_locked(uint64_t upto) {
   return epoch;
 }
 
-Program::LiveSnapshot Program::snapshot_live(uint64_t upto) {
+Program::LiveSnapshot Program::snapshot_live(uint64_t upto, const std::unique_lock<std::mutex>& flush) {
+  LAZYMEM_INTERNAL_ASSERT(flush.owns_lock(), "a live-out snapshot needs the flush lock");
   std::lock_guard<std::mutex> lock(mu_);
   return LiveSnapshot{upto, stamp_live_locked(upto), takes_};
 }

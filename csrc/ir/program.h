@@ -79,7 +79,9 @@ class Program {
     int64_t resident = 0; // device bytes lazymem held then (set by the caller)
     uint64_t offset = 0;  // nodes handed before it since the last read (the pipeline's)
   };
-  LiveSnapshot snapshot_live(uint64_t upto);
+  // `flush`: the flush lock, held (no segment is between its take and the end of its planning, whose
+  // live-out set is the same per-buffer stamp).
+  LiveSnapshot snapshot_live(uint64_t upto, const std::unique_lock<std::mutex>& flush);
   // Detaches pending nodes with seq <= upto (all of them if upto is past the end), with the live-out
   // set of `live` when it is still valid (see snapshot_live).
   Segment take_prefix(uint64_t upto, const LiveSnapshot* live = nullptr);

@@ -55,8 +55,8 @@ class Pipeline {
     return *p;
   }
 
-  // After a materialization on a recording thread: whether the next steps may be pipelined, and its
-  // peak (how near the budget a batch that repeats the step may come: see above; 0 none).
+  // After a materialization on a recording thread: whether the next steps may be pipelined, and the
+  // step's peak (how near the budget a batch that repeats the step may come: see above; 0 none).
   void rearm(bool fits, int64_t peak, int64_t budget, int64_t whole) {
     armed_peak_.store(fits ? peak : 0, std::memory_order_relaxed);
     // (Whether batches may come over half the budget, so the allocator is to be capped for them.)
@@ -91,6 +91,13 @@ class Pipeline {
     {
       std::lock_guard<std::mutex> lk(mu_);
       if (busy_ || upto_) return;
+      // Not while another thread materializes: the live-out stamp below would overwrite the one of
+      // the segment it has taken and not yet planned (Segment::epoch: one stamp per buffer), so its
+      // plan would free values still held (a recording thread's chain, read back as "no data"), and
+      // the memory held now is that run's. Its read ends the step; the next record hands off.
+      // (Only tried: a flush takes mu_ under the flush lock, take_error.)
+      std::unique_lock<std::mutex> flush = try_lock_flush();
+      if (!flush.owns_lock()) return;
       handed_.store(true, std::memory_order_relaxed);
       handed_since_read_.store(true, std::memory_order_relaxed);
       handed_count_.fetch_add(1, std::memory_order_relaxed);
@@ -100,9 +107,10 @@ class Pipeline {
       // Batches of a fixed size from the last materialization on: the same batches step after step,
       // so their plans are the plan cache's.
       upto_ = p.seq_at(batch - 1);
-      live_ = p.snapshot_live(upto_);
+      live_ = p.snapshot_live(upto_, flush);
       live_.resident = device_bytes_held(); // (the worker is idle: none of it is a run's)
       live_.offset = handed_nodes_.fetch_add(batch, std::memory_order_relaxed);
+      stats().pipeline_handed.fetch_add(1, std::memory_order_relaxed);
       if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
     }
     hold_cap();
@@ -168,18 +176,29 @@ class Pipeline {
     handed_nodes_.store(0, std::memory_order_relaxed);
   }
 
-  // The step's node signatures (Node::sig), in program order: each batch the worker ran, then the
-  // read that ends the step. A step that fit is what later batches are compared against (repeats).
-  void note_step(const Segment& seg, bool ends_step, bool fits) {
+  // The step's node signatures (Node::sig), in program order, and its peaks: each batch the worker
+  // ran, then the read that ends the step. A step that fit is what later batches are compared against
+  // (repeats). Returns the step's peaks so far: at its end, those of the whole step, the worker's
+  // batches included (the read alone may run only the step's tail, far below its peak).
+  struct Peaks {
+    int64_t planned = 0;  // the larger of the measured and predicted peaks (how near the budget)
+    int64_t measured = 0; // stats()["peak_bytes"]
+  };
+  Peaks note_step(const Segment& seg, bool ends_step, bool fits, Peaks peaks) {
     std::lock_guard<std::mutex> lk(sigs_mu_);
     for (const auto& n : seg.nodes) {
       if (n) step_sigs_.push_back(n->sig); // (nodes put back pending are not the step's yet)
     }
-    if (!ends_step) return;
+    step_peaks_.planned = std::max(step_peaks_.planned, peaks.planned);
+    step_peaks_.measured = std::max(step_peaks_.measured, peaks.measured);
+    const Peaks step = step_peaks_;
+    if (!ends_step) return step;
     if (fits) {
       armed_sigs_.swap(step_sigs_);
     }
     step_sigs_.clear();
+    step_peaks_ = Peaks{};
+    return step;
   }
   // Whether a batch handed `offset` nodes after the read has the nodes of the armed step there.
   bool repeats(const Segment& seg, uint64_t offset) {
@@ -245,6 +264,7 @@ class Pipeline {
   std::atomic<uint64_t> handed_nodes_{0}; // their nodes
   std::mutex sigs_mu_;
   std::vector<uint64_t> armed_sigs_, step_sigs_; // (sigs_mu_) see note_step
+  Peaks step_peaks_;                             // (sigs_mu_) the step's largest peaks so far
   std::atomic<bool> handed_{false}; // from a hand-off until the worker has run it (read unlocked)
   std::atomic<bool> handed_since_read_{false};
   std::mutex mu_;

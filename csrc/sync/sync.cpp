@@ -357,17 +357,17 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
       std::rethrow_exception(annotate_node_error(e, prefix));
     }
   }
-  // Pipelining: armed by a run that fit unsplit, disarmed by any other.
+  // Pipelining: armed by a run that fit unsplit, disarmed by any other. A step's peak is that of its
+  // worker's batches and its read together (stats()'s peak_bytes too).
   const int64_t peak = std::max(out.peak, plan.predicted_peak);
+  const bool fits = !plan.split && !out.oom && (in.budget < 0 || peak <= std::max(in.budget, in.whole_budget));
+  const Pipeline::Peaks step = Pipeline::get().note_step(seg, /*ends_step=*/!req.background, fits, {peak, out.peak});
+  stats().peak_bytes.store(step.measured, std::memory_order_relaxed);
   if (!req.background) {
-    const bool fits = !plan.split && !out.oom && (in.budget < 0 || peak <= std::max(in.budget, in.whole_budget));
-    Pipeline::get().note_step(seg, /*ends_step=*/true, fits);
     Pipeline::get().read_ran();
-    Pipeline::get().rearm(fits, peak, in.budget, in.whole_budget);
+    Pipeline::get().rearm(fits, step.planned, in.budget, in.whole_budget);
   } else if (plan.split || out.oom || out.peak > Pipeline::get().batch_limit(in.budget, in.whole_budget, repeats)) {
     Pipeline::get().disarm();
-  } else {
-    Pipeline::get().note_step(seg, /*ends_step=*/false, true);
   }
   // A read raises only its own values' errors (materialize checks them); flushes that need
   // everything (synchronize, auto-flush, generator state) raise the first one.
@@ -420,6 +420,10 @@ void synchronize_all() {
 std::unique_lock<std::mutex> lock_flush() {
   LAZYMEM_CHECK(!t_in_flush, "a lazymem value was read while lazymem was materializing on this thread");
   return acquire_flush();
+}
+
+std::unique_lock<std::mutex> try_lock_flush() {
+  return std::unique_lock<std::mutex>(g_flush_mu, std::try_to_lock);
 }
 
 void materialize(const std::vector<LazyBuffer*>& bufs) {

@@ -44,6 +44,8 @@ void materialize(const std::vector<LazyBuffer*>& bufs);
 // Holds the flush lock: buffers' real data is stable while it is held (sync points reading real
 // data take it after materializing).
 std::unique_lock<std::mutex> lock_flush();
+// The flush lock if no thread holds it (owns_lock() false otherwise); never waits.
+std::unique_lock<std::mutex> try_lock_flush();
 // Runs everything pending when the auto-flush thresholds are exceeded (called after each record).
 void maybe_auto_flush();
 // Waits until the pipeline's worker has run what it was handed (exit; tests).
