@@ -238,7 +238,9 @@ class Runner:
     def __init__(self, case: Case, base: nn.Module, lazy: bool) -> None:
         self.case, self.lazy = case, lazy
         with self.cap():
-            self.model = copy.deepcopy(base).to("lazymem") if lazy else copy.deepcopy(base)
+            # (Eager's copy is cloned: a deep copy gives plain tensors, such as a dataset held in
+            # buffers, storages from the default CPU allocator, which memory_cap cannot count.)
+            self.model = copy.deepcopy(base).to("lazymem") if lazy else copy.deepcopy(base)._apply(torch.clone)
             if not case.training:
                 self.opts: list[torch.optim.Optimizer] = []
             elif case.optimizers:

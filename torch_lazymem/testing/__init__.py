@@ -68,7 +68,12 @@ def simulated_device(capacity: Capacity, link: Union[int, float, str, None] = "2
 
 @contextlib.contextmanager
 def memory_cap(capacity: Capacity) -> Iterator[None]:
-    """Caps plain eager CPU allocations made on this thread at ``capacity`` bytes."""
+    """Caps plain eager CPU allocations made on this thread at ``capacity`` bytes.
+
+    What ATen allocates is counted (every op's result, ``clone``). Storages that Python constructs
+    itself (``torch.UntypedStorage(n)``, so ``copy.deepcopy`` of a plain tensor or a module's buffers,
+    and ``torch.load``) come from the default CPU allocator, which no hook reaches: they are not
+    counted. Clone such tensors inside the cap (``module._apply(torch.clone)``) to count them."""
     cap = parse_bytes(capacity)
     _C._eager_cap_push(cap)
     try:
