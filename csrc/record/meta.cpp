@@ -13,6 +13,7 @@
 #include "core/config.h"
 #include "core/runtime.h"
 #include "device/phantom.h"
+#include "record/cpp_meta.h"
 #include "record/layout.h"
 
 namespace lazymem {
@@ -108,10 +109,18 @@ OutSpec describe(const at::Tensor& r, const Call& call, const std::vector<at::Te
 // otherwise unused backend key (PrivateUse2 has no kernels, so its dispatch entry is the
 // CompositeExplicitAutogradNonFunctional kernel): it runs the op's C++ meta function — exactly
 // eager's shape, dtype and overlap checks, with eager's messages — then the out= op on Meta.
-// Python meta kernels registered on the Meta key are looser (no casting or overlap checks).
+// Python meta kernels registered on the Meta key are looser (no casting or overlap checks). Where
+// the op's generated C++ Meta kernel is only shadowed by a Python one, it is called directly: the
+// same meta function, and no out= call to reach Python (record/cpp_meta.h).
 bool dispatch_meta(Call& call, torch::jit::Stack& stack) {
   c10::impl::ExcludeDispatchKeyGuard guard(kAboveBackendKeys);
   if (call.rules.structured) {
+    // The structured op's own C++ Meta kernel, where a Python one shadows it: the same meta function
+    // without the composite's out= call, which would reach the Python kernel (cpp_meta.h).
+    if (const c10::KernelFunction* cpp = shadowed_cpp_meta_kernel(call.op)) {
+      cpp->callBoxed(call.op, c10::DispatchKeySet(c10::DispatchKey::Meta), &stack);
+      return true;
+    }
     torch::jit::Stack copy = stack;
     try {
       call.op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::PrivateUse2), &copy);
