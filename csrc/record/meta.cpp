@@ -114,13 +114,14 @@ OutSpec describe(const at::Tensor& r, const Call& call, const std::vector<at::Te
 // same meta function, and no out= call to reach Python (record/cpp_meta.h).
 bool dispatch_meta(Call& call, torch::jit::Stack& stack) {
   c10::impl::ExcludeDispatchKeyGuard guard(kAboveBackendKeys);
+  // The op's own generated C++ Meta kernel, where a Python one shadows it: for a structured op the
+  // same meta function without the composite's out= call, which would reach the Python kernel; for
+  // the others (zero_, fill_, out= forms) eager's meta kernel (cpp_meta.h).
+  if (const c10::KernelFunction* cpp = shadowed_cpp_meta_kernel(call.op)) {
+    cpp->callBoxed(call.op, c10::DispatchKeySet(c10::DispatchKey::Meta), &stack);
+    return true;
+  }
   if (call.rules.structured) {
-    // The structured op's own C++ Meta kernel, where a Python one shadows it: the same meta function
-    // without the composite's out= call, which would reach the Python kernel (cpp_meta.h).
-    if (const c10::KernelFunction* cpp = shadowed_cpp_meta_kernel(call.op)) {
-      cpp->callBoxed(call.op, c10::DispatchKeySet(c10::DispatchKey::Meta), &stack);
-      return true;
-    }
     torch::jit::Stack copy = stack;
     try {
       call.op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::PrivateUse2), &copy);
