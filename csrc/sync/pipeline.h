@@ -45,9 +45,10 @@ inline int64_t device_bytes_held() {
 // longer be split, so a step that grew (a longer sequence) could run its forward on the worker and
 // leave its backward no room. A batch that repeats the last step that ran within the budget (its
 // plan reused, or its nodes those of that step at the same point: the same ops on the same shapes)
-// may come as near the budget as the arming materialization did, plus 1/32 of the budget; any other
-// (a shape not seen at this point of a step) stays within half the budget. Under a memory cap the recording thread holds the
-// caching allocator's cap for the worker's batches (cap_allocator), as a synchronous run would.
+// may come as near the budget as that step's peak (its worker's batches and its read together), plus
+// 1/32 of the budget; any other (a shape not seen at this point of a step) stays within half the
+// budget. Under a memory cap the recording thread holds the caching allocator's cap for the worker's
+// batches (cap_allocator), as a synchronous run would.
 class Pipeline {
  public:
   static Pipeline& get() {
