@@ -40,7 +40,7 @@ PY
   # From build/asan, so that `import torch_lazymem` finds the instrumented package, not the repo's.
   cd "$ASAN_DIR/pkg"
   PYTHONMALLOC=malloc LD_PRELOAD="$SAN_RT" PYTHONPATH="$ASAN_DIR/pkg:$ROOT/test/python" \
-    python -m pytest -q -n 2 -p no:cacheprovider --rootdir "$ROOT/test/python" -x \
+    python -m pytest -q -n 2 --dist loadgroup -p no:cacheprovider --rootdir "$ROOT/test/python" -x \
     $(ls "$ROOT"/test/python/test_split_*.py "$ROOT"/test/python/test_sync_points.py "$ROOT"/test/python/test_two_memories.py \
       "$ROOT"/test/python/test_memory.py | grep -v -e test_split_rules -e test_split_models -e test_split_everywhere) "$@"
   exit 0
@@ -52,4 +52,5 @@ cmake --build test/cpp/build
 ./test/cpp/build/lazymem_cpp_tests --gtest_brief=1
 
 # Two workers (pytest-xdist): the suite is mostly single-threaded Python, and CI has two cores.
-python -m pytest -q -n 2 test/python "$@"
+# loadgroup: tests marked with one xdist_group run on one worker (a costly module fixture runs once).
+python -m pytest -q -n 2 --dist loadgroup test/python "$@"
