@@ -150,7 +150,7 @@ void fingerprint(const PlanInput& in, Fingerprint& fp) {
   fp.budget = in.budget;
   fp.whole_budget = in.whole_budget;
   w.put(uint64_t{in.budget < 0});
-  w.put_i(in.resident);
+  fp.resident = in.resident;
   w.put_i(in.force_chunks);
   w.put_i(in.chunk_node_ns);
   w.put(uint64_t{in.keep_pending} | (uint64_t{config().debug.load(std::memory_order_relaxed) >= 3} << 1) |

@@ -248,9 +248,18 @@ std::optional<Plan> reuse_plan(const PlanInput& in, const Fingerprint& fp) {
     const int64_t limit = t.plan.split ? fp.budget : std::max(fp.budget, fp.whole_budget);
     return t.plan.predicted_peak <= limit && fp.budget <= t.fp.budget + t.fp.budget / 10;
   };
+  // Held bytes other than the plan's: the same plan if unsplit (nothing in it depends on them but
+  // whether it fits), shifted by the difference.
+  auto resident_ok = [&](const Template& t) {
+    if (t.fp.resident == fp.resident) return true;
+    if (t.plan.split || !t.plan.retained.empty()) return false;
+    return fp.budget < 0 ||
+        t.plan.predicted_peak - t.fp.resident + fp.resident <= std::max(fp.budget, fp.whole_budget);
+  };
   for (; it != c.entries.end(); ++it) {
     if (it->fp.hash == fp.hash && it->fp.words == fp.words &&
-        std::memcmp(it->fp.key.data(), fp.key.data(), fp.words * sizeof(uint64_t)) == 0 && budget_ok(*it)) {
+        std::memcmp(it->fp.key.data(), fp.key.data(), fp.words * sizeof(uint64_t)) == 0 && budget_ok(*it) &&
+        resident_ok(*it)) {
       break;
     }
   }
@@ -264,7 +273,7 @@ std::optional<Plan> reuse_plan(const PlanInput& in, const Fingerprint& fp) {
       while (i < last.size() && i < fp.words && last[i] == fp.key[i]) ++i;
       std::fprintf(stderr, "[lazymem] plan not reused: fingerprint of %zu words differs from the last stored (%zu words) "
                    "at word %zu%s\n", fp.words, last.size(), i,
-                   i + 6 >= fp.words ? " (the budget, memory held, or learned kernel workspace)" : "");
+                   i + 5 >= fp.words ? " (the settings or learned kernel workspace)" : "");
     }
     return std::nullopt;
   }
@@ -299,6 +308,8 @@ std::optional<Plan> reuse_plan(const PlanInput& in, const Fingerprint& fp) {
   }
   plan.reused = true;
   plan.budget = in.budget;
+  plan.predicted_peak = t.plan.predicted_peak + fp.resident - t.fp.resident; // (a spare was shifted for its own)
+  plan.resident = fp.resident;
   plan.owned.clear();
   plan.owned.reserve(t.owned.size());
   const uint64_t* refs = t.owned_refs.data();

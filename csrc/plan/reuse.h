@@ -26,6 +26,10 @@ struct Fingerprint {
   std::vector<uint32_t> base;         // per buffer: the version of its first reference
   int64_t budget = -1;                // the planner's budget (compared apart from the key)
   int64_t whole_budget = -1;          // what an unsplit plan may hold (PlanInput::whole_budget)
+  // Device bytes held before the program (compared apart from the key): an unsplit plan is the same
+  // plan under other resident bytes while it still fits (results kept across steps grow them, and
+  // CUDA graphs key on the plan), a split one only under the same.
+  int64_t resident = 0;
   bool cacheable = false;             // false: an argument the fingerprint cannot describe, a poison
 };
 

@@ -157,3 +157,24 @@ def test_the_cache_can_be_switched_off(env):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "LAZYMEM_PLAN_CACHE": env})
     assert out.stdout.strip() == ("0" if env == "0" else "1")
+
+
+def test_results_kept_across_steps_do_not_stop_an_unsplit_plan_from_being_reused():
+    """Memory held before a program (here: every earlier step's result, kept in a list) is not part of
+    an unsplit plan's structure: the plan is reused while it fits, its peak shifted by what is held.
+    A split plan is reused only under the same held memory (its chunks were chosen for it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    lazy = copy.deepcopy(model).to("lazymem")
+    xs = [torch.randn(4, 16) for _ in range(6)]
+    kept, reused, peaks = [], [], []
+    for x in xs:
+        torch_lazymem.reset_stats()
+        kept.append(lazy(x.to("lazymem")))
+        torch_lazymem.sync()
+        reused.append(torch_lazymem.stats()["plans_reused"])
+        peaks.append(torch_lazymem.stats()["predicted_peak_bytes"])
+    assert reused[2:] == [1] * 4, reused
+    assert all(b > a for a, b in zip(peaks[2:], peaks[3:])), peaks  # each kept result adds to it
+    for x, y in zip(xs, kept):
+        assert torch.equal(y.cpu(), model(x))
