@@ -73,6 +73,41 @@ module = CppExtension(
 )
 
 
+# liblazymem_cuda.so (csrc/cuda/): CUDA graph capture and the caching allocator's trace, which have no
+# device-generic interface. Built only against a torch with CUDA and a CUDA toolkit's headers; the core
+# loads it at run time (core/cuda_backend.h) and runs without it.
+CUDA_NAME = "torch_lazymem.lib.lazymem_cuda"
+EXTENSIONS = [core, module]
+
+
+def _cuda_include():
+    """The CUDA runtime's headers: a toolkit's, or those of the nvidia wheel torch's CUDA build
+    depends on (nvidia/cu13, nvidia/cuda_runtime); None without a torch built with CUDA."""
+    import torch
+
+    if torch.version.cuda is None or os.environ.get("LAZYMEM_NO_CUDA_LIB"):
+        return None
+    candidates = [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")]
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    candidates += sorted(glob.glob(os.path.join(site, "nvidia", "cu*", "include")))
+    candidates += [os.path.join(site, "nvidia", "cuda_runtime", "include")]
+    return next((c for c in candidates if os.path.exists(os.path.join(c, "cuda_runtime_api.h"))), None)
+
+
+if _cuda_include():
+    cuda_lib = CppExtension(
+        CUDA_NAME,
+        _sources("cuda"),
+        include_dirs=[os.path.join(ROOT, "csrc"), _cuda_include()] + include_paths(),
+        library_dirs=library_paths(),
+        libraries=["lazymem_core", "c10_cuda", "torch_cuda", "c10", "torch_cpu", "torch"],
+        extra_compile_args={"cxx": CXX_FLAGS + ["-DUSE_CUDA"]},
+        extra_link_args=["-Wl,-rpath,$ORIGIN"] + LINK_FLAGS,
+    )
+    cuda_lib.libraries = [lib for lib in cuda_lib.libraries if lib != "torch_python"]
+    EXTENSIONS.append(cuda_lib)
+
+
 class Build(BuildExtension):
     """Builds the core first under a plain library name, then links the module against it."""
 
@@ -82,6 +117,10 @@ class Build(BuildExtension):
             return os.path.join("torch_lazymem", "lib", "liblazymem_core.so")
         if ext_name == CORE_NAME.rsplit(".", 1)[1]:
             return "liblazymem_core.so"
+        if ext_name == CUDA_NAME:
+            return os.path.join("torch_lazymem", "lib", "liblazymem_cuda.so")
+        if ext_name == CUDA_NAME.rsplit(".", 1)[1]:
+            return "liblazymem_cuda.so"
         return super().get_ext_filename(ext_name)
 
     def build_extensions(self):
@@ -134,7 +173,7 @@ setup(
     version="0.1.0",
     description="A PyTorch device that records ops and runs them within a memory budget",
     packages=find_packages(include=["torch_lazymem", "torch_lazymem.*"]),
-    ext_modules=[core, module],
+    ext_modules=EXTENSIONS,
     cmdclass={"build_ext": Build.with_options(use_ninja=True)},
     python_requires=">=3.9",
     # Built and tested on torch 2.11 (the GPU machines, tools/check_torch.sh 2.11.0) and 2.13 (CI).

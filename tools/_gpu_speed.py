@@ -16,9 +16,10 @@ TINY_OPS = 4000
 
 
 def tiny_runs(device: str) -> tuple[float, torch.Tensor]:
-    """x = x * 1.0001 + 0.0001, TINY_OPS ops in all, then a sync: a warm-up, then the median of 3."""
+    """x = x * 1.0001 + 0.0001, TINY_OPS ops in all, then a sync: 3 warm-ups (lazymem: a plan, its
+    reuse, a CUDA graph's capture), then the median of 3."""
     times = []
-    for _ in range(4):
+    for _ in range(6):
         x = torch.zeros(1024, device=device)
         finish(device)
         t0 = time.perf_counter()
@@ -26,7 +27,7 @@ def tiny_runs(device: str) -> tuple[float, torch.Tensor]:
             x = x * 1.0001 + 0.0001
         finish(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:]) / TINY_OPS * 1e6, x.cpu()
+    return statistics.median(times[3:]) / TINY_OPS * 1e6, x.cpu()
 
 
 def item_tiny(side: str) -> Result:
@@ -34,12 +35,19 @@ def item_tiny(side: str) -> Result:
     if lazymem:  # first without pipelining (on by default on a GPU), then with it
         lazymem.set_pipeline(False)
     try:
+        st0 = lazy_stats()
         us, value = tiny_runs(DEVICE[side])
-        out: Result = {"us_per_op": us, "value": value}
+        out: Result = {"us_per_op": us, "value": value, "graph_replays": lazy_stats().get("cuda_graph_replays", 0) - st0.get("cuda_graph_replays", 0)}
         if lazymem:
             lazymem.set_pipeline(True)
             out["pipelined_us_per_op"], out["pipelined_value"] = tiny_runs(DEVICE[side])
             out["pipelined_flushes"] = lazymem.stats()["pipelined_flushes"]
+            lazymem.set_pipeline(False)
+            lazymem.set_cuda_graphs(False)
+            try:
+                out["nographs_us_per_op"], _ = tiny_runs(DEVICE[side])
+            finally:
+                lazymem.set_cuda_graphs(True)
     finally:
         if lazymem:
             lazymem.set_pipeline(None)
@@ -52,7 +60,9 @@ def judge_tiny(eager: Result, lazy: Result) -> tuple[str, Result]:
                       "lazymem/eager": lazy["us_per_op"] / eager["us_per_op"],
                       "pipelined us/op": lazy["pipelined_us_per_op"],
                       "pipelined/eager": lazy["pipelined_us_per_op"] / eager["us_per_op"],
-                      "pipelined batches": lazy["pipelined_flushes"], "values equal": equal})
+                      "pipelined batches": lazy["pipelined_flushes"], "graph replays": lazy["graph_replays"],
+                      "no graphs us/op": lazy["nographs_us_per_op"],
+                      "no graphs/eager": lazy["nographs_us_per_op"] / eager["us_per_op"], "values equal": equal})
 
 
 def speed_steps(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, steps: int) -> Result:
@@ -96,6 +106,7 @@ def item_speed(side: str) -> Result:
                 given_back = lazymem.stats()["pipeline_given_back"]
                 worker_ns = lazymem.stats()["pipeline_worker_ns"]
             piped = speed_steps(model, opt, ids, 5)
+            st2 = lazy_stats()
         finally:
             if lazymem:
                 lazymem.set_pipeline(None)
@@ -109,7 +120,8 @@ def item_speed(side: str) -> Result:
                       # the worker's busy time per pipelined step (planning and launching its batches)
                       "worker_s": (lazymem.stats()["pipeline_worker_ns"] - worker_ns) / 1e9 / 5 if lazymem else 0,
                       # what 5 unpipelined steps cost in lazymem's counters (plans, cache hits, flushes, ...)
-                      "stats": {k: v - st0[k] for k, v in st1.items() if isinstance(v, (int, float))}}
+                      "stats": {k: v - st0[k] for k, v in st1.items() if isinstance(v, (int, float))},
+                      "piped_stats": {k: v - st1[k] for k, v in st2.items() if isinstance(v, (int, float))}}
         if side == "eager":  # eager against itself: the same 11 steps from a fresh model, twice
             again = []
             for _ in range(2):
@@ -124,6 +136,11 @@ def item_speed(side: str) -> Result:
         if DEV == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def graphs(stats: Result) -> str:
+    return (f"{stats.get('cuda_graph_replays', 0)} replays of {stats.get('cuda_graph_nodes', 0)} nodes, "
+            f"{stats.get('cuda_graph_plain_nodes', 0)} plain, {stats.get('cuda_graph_fallbacks', 0)} fallbacks")
 
 
 def judge_speed(eager: Result, lazy: Result) -> tuple[str, Result]:
@@ -147,7 +164,8 @@ def judge_speed(eager: Result, lazy: Result) -> tuple[str, Result]:
             f"({e['step_s'] / z['step_s']:.2f}x eager; recording {z['record_s'] * 1e3:.1f} ms), pipelined "
             f"{z['piped_step_s'] * 1e3:.1f} ms ({e['step_s'] / z['piped_step_s']:.2f}x, {z['pipelined_flushes']} "
             f"batches on the worker, {z['given_back']} given back; recording {z['piped_record_s'] * 1e3:.1f} ms, "
-            f"worker busy {z['worker_s'] * 1e3:.1f} ms); first step {z['first_s'] * 1e3:.0f} ms vs eager's {e['first_s'] * 1e3:.0f}; "
+            f"worker busy {z['worker_s'] * 1e3:.1f} ms); CUDA graphs (unpipelined / pipelined steps): "
+            f"{graphs(z['stats'])} / {graphs(z['piped_stats'])}; first step {z['first_s'] * 1e3:.0f} ms vs eager's {e['first_s'] * 1e3:.0f}; "
             + ("losses bitwise equal" if same else same_note))
     numbers = {side: {name: {k: v for k, v in row.items() if k not in ("losses", "again")} for name, row in rows.items()}
                for side, rows in (("eager", eager), ("lazy", lazy))}

@@ -22,6 +22,7 @@ from ._registration import register as _register
 from .api import (
     backing_device,
     buffer_info,
+    cuda_graphs,
     explain,
     mark_batch,
     memory_budget,
@@ -30,6 +31,7 @@ from .api import (
     recompute,
     reset_stats,
     set_backing_device,
+    set_cuda_graphs,
     set_debug,
     set_flush_threshold,
     set_memory_budget,
@@ -42,6 +44,7 @@ from .api import (
 __all__ = [
     "backing_device",
     "buffer_info",
+    "cuda_graphs",
     "explain",
     "mark_batch",
     "memory_budget",
@@ -50,6 +53,7 @@ __all__ = [
     "recompute",
     "reset_stats",
     "set_backing_device",
+    "set_cuda_graphs",
     "set_debug",
     "set_flush_threshold",
     "set_memory_budget",

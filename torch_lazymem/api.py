@@ -96,6 +96,25 @@ def pipeline() -> bool:
     return bool(_C._pipeline())
 
 
+def set_cuda_graphs(enabled: bool = True) -> None:
+    """Replays reused plans as CUDA graphs (on by default; ``LAZYMEM_CUDA_GRAPHS=0`` turns it off).
+    On a CUDA backing device with a CUDA build of torch: from a plan's third run on, its nodes run
+    in pieces each captured once and then launched as one graph, the nodes that cannot be captured
+    (random ops, a kernel that synchronizes, arguments that change from step to step) plainly in
+    between; results are those of the plain run. ``stats()``: ``cuda_graph_captures``,
+    ``cuda_graph_replays``, ``cuda_graph_nodes``, ``cuda_graph_plain_nodes``, ``cuda_graph_fallbacks``,
+    ``cuda_graph_pool_bytes``. Off drops every graph and its memory pool."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"lazymem: set_cuda_graphs expects True or False, got {enabled!r}")
+    _C._set_cuda_graphs(enabled)
+
+
+def cuda_graphs() -> bool:
+    """Whether reused plans replay as CUDA graphs now (set_cuda_graphs, a CUDA backing device, and a
+    CUDA build of torch whose graph support loaded)."""
+    return bool(_C._cuda_graphs())
+
+
 def set_memory_budget(budget: Union[int, str, None]) -> None:
     """Caps the device memory lazymem may hold (resident values included) at ``budget`` bytes, or a
     string such as ``"6GiB"``; ``None`` restores the default: the backing device's free memory plus

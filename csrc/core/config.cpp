@@ -66,6 +66,12 @@ std::map<std::string, int64_t> Stats::snapshot() const {
       {"d2h_ns", ld(d2h_ns)},
       {"h2d_ahead", ld(h2d_ahead)},
       {"copy_wait_ns", ld(copy_wait_ns)},
+      {"cuda_graph_captures", ld(cuda_graph_captures)},
+      {"cuda_graph_replays", ld(cuda_graph_replays)},
+      {"cuda_graph_nodes", ld(cuda_graph_nodes)},
+      {"cuda_graph_plain_nodes", ld(cuda_graph_plain_nodes)},
+      {"cuda_graph_fallbacks", ld(cuda_graph_fallbacks)},
+      {"cuda_graph_pool_bytes", ld(cuda_graph_pool_bytes)},
   };
 }
 
@@ -115,6 +121,12 @@ void Stats::reset() {
   d2h_ns = 0;
   h2d_ahead = 0;
   copy_wait_ns = 0;
+  cuda_graph_captures = 0;
+  cuda_graph_replays = 0;
+  cuda_graph_nodes = 0;
+  cuda_graph_plain_nodes = 0;
+  cuda_graph_fallbacks = 0;
+  // (cuda_graph_pool_bytes is a level, not a count)
 }
 
 namespace {
@@ -182,6 +194,7 @@ static Config* make_config() {
   }
   if (std::optional<bool> v = env_flag("LAZYMEM_CHECK_TAPE")) c->check_tape = *v;
   if (std::optional<bool> v = env_flag("LAZYMEM_PIPELINE")) c->pipeline = *v ? 1 : 0;
+  if (std::optional<bool> v = env_flag("LAZYMEM_CUDA_GRAPHS")) c->cuda_graphs = *v;
   if (std::optional<uint64_t> n = env_count("LAZYMEM_PIPELINE_BATCH")) c->pipeline_batch = std::max<uint64_t>(*n, 1);
   if (std::optional<uint64_t> n = env_count("LAZYMEM_CHUNK_NODE_NS")) c->chunk_node_ns = static_cast<int64_t>(*n);
   if (std::optional<bool> v = env_flag("LAZYMEM_CHECK_BOUNDARY")) c->check_boundary = *v;

@@ -59,6 +59,13 @@ struct Stats {
   std::atomic<uint64_t> d2h_ns{0};
   std::atomic<uint64_t> h2d_ahead{0};     // copies started ahead of their reader (the next chunk's rows)
   std::atomic<uint64_t> copy_wait_ns{0};  // time the executor waited for such copies to end
+  // CUDA graphs of reused plans (execute/graphs.h).
+  std::atomic<uint64_t> cuda_graph_captures{0};   // pieces of plans captured as graphs
+  std::atomic<uint64_t> cuda_graph_replays{0};    // graph launches (a piece's nodes in one launch)
+  std::atomic<uint64_t> cuda_graph_nodes{0};      // nodes those launches ran
+  std::atomic<uint64_t> cuda_graph_plain_nodes{0}; // nodes of graphed plans run plainly (not capturable, changed)
+  std::atomic<uint64_t> cuda_graph_fallbacks{0};  // captures that failed and graphs dropped (inputs or arguments changed)
+  std::atomic<int64_t> cuda_graph_pool_bytes{0};  // device bytes the graphs' pools hold now
   std::map<std::string, int64_t> snapshot() const;
   void reset();
 };
@@ -82,6 +89,9 @@ struct Config {
   // Nodes per pipelined batch (LAZYMEM_PIPELINE_BATCH; small values stress the worker in tests);
   // 0: Pipeline::kBatchAccelerator (64) on an accelerator, Pipeline::kBatchCpu (1,024) on the CPU.
   std::atomic<uint64_t> pipeline_batch{0};
+  // A reused plan's nodes replay as CUDA graphs where they can (execute/graphs.h); on a CUDA backing
+  // device with a CUDA build of torch. LAZYMEM_CUDA_GRAPHS=0/1, torch_lazymem.set_cuda_graphs().
+  std::atomic<bool> cuda_graphs{true};
   // What the planner takes a node to cost per chunk beyond its work, in ns (PlanInput::chunk_node_ns;
   // LAZYMEM_CHUNK_NODE_NS; -1 or 0: nothing, the default until it is right on a GPU, see sync.cpp).
   // Set on the CPU backing, tests exercise the GPU's trade of chunks against host memory.

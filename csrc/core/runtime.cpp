@@ -6,6 +6,8 @@
 
 #include <ATen/Context.h>
 
+#include "core/cuda_backend.h"
+
 namespace lazymem {
 namespace {
 
@@ -55,7 +57,10 @@ void init_backing_device() {
   if (done.load(std::memory_order_acquire)) return;
   c10::Device d = backing_device();
   if (d.is_cpu()) return;
-  std::call_once(runtime_once, [&] { at::globalContext().lazyInitDevice(d.type()); });
+  std::call_once(runtime_once, [&] {
+    at::globalContext().lazyInitDevice(d.type());
+    if (d.is_cuda()) load_cuda_backend();
+  });
   // The hook takes the GIL: it runs outside any lock of ours, once, on the first thread here (a
   // thread that holds the GIL and finds it claimed goes on rather than wait for it).
   if (!hook_claimed.exchange(true)) {

@@ -53,9 +53,10 @@ bool draws_from_generator(const PlannedNode& pn) {
       !n.row_keyed;
 }
 
-class Walker {
+class Walker final : public StageWalk {
  public:
-  Walker(const Plan& plan, DevicePeakWindow* device_peak) : plan_(plan), device_peak_(device_peak) {
+  Walker(const Plan& plan, DevicePeakWindow* device_peak, StageRunner* runner)
+      : plan_(plan), device_peak_(device_peak), runner_(runner) {
     out_.epoch = g_epochs.fetch_add(1, std::memory_order_relaxed) + 1;
     for (const Stage& st : plan.stages) total_chunks_ += st.loop ? st.chunks() : 0;
   }
@@ -80,7 +81,8 @@ class Walker {
 
  private:
   // Runs one node, poisoning its outputs on failure. Returns false on out of memory.
-  bool run_node(const PlannedNode& pn, Binder& binder, int64_t rows) {
+  bool run_node(const PlannedNode& pn, Binder& binder, int64_t rows, bool measure = true) {
+    const bool counting = counting_ && measure;
     const Node& n = *pn.node;
     if (std::exception_ptr poison = input_poison(n)) {
       poison_outputs(n, poison);
@@ -89,19 +91,21 @@ class Walker {
     }
     if (out_.restartable) check_restartable(pn);
     try {
-      if (counting_) {
+      if (counting) {
         device_counter().reset_node_peak();
         node_start_ = device_counter().allocated();
       }
       binder.begin_run();
       const auto t0 = std::chrono::steady_clock::now();
       replay(pn, binder, stack_);
-      observe_node_time(node_time_key(pn), std::max<int64_t>(rows, 1),
-                        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+      if (measure) {
+        observe_node_time(node_time_key(pn), std::max<int64_t>(rows, 1),
+                          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+      }
       ++out_.executed;
       if (device_peak_) device_peak_->sample();
       stamp_writes(n);
-      if (counting_) {
+      if (counting) {
         learn(pn, rows, binder.take_copied_bytes());
         if (config().debug >= 3) {
           std::fprintf(stderr, "[lazymem]   %s rows %lld: measured %lld, predicted %lld\n", n.name(),
@@ -117,7 +121,7 @@ class Walker {
       stack_.clear();
       out_.oom = std::current_exception();
       out_.oom_site = n.describe();
-      if (counting_) out_.oom_learned = learn_from_failure(pn, binder, rows, binder.take_copied_bytes());
+      if (counting) out_.oom_learned = learn_from_failure(pn, binder, rows, binder.take_copied_bytes());
       return false;
     } catch (const std::exception& e) {
       stack_.clear();
@@ -179,16 +183,56 @@ class Walker {
 
   bool run_whole(const Stage& st, size_t s) {
     Binder binder(st);
-    for (size_t p = 0; p < st.nodes.size(); ++p) {
-      const PlannedNode& pn = st.nodes[p];
-      if (!run_node(pn, binder, 0)) {
+    stage_ = &st;
+    binder_ = &binder;
+    for (size_t p = 0; p < st.nodes.size();) {
+      const size_t next = runner_ ? runner_->run_from(p, *this) : p;
+      if (next > p) {
+        p = next;
+        continue;
+      }
+      if (!run_plain(p, true)) {
         out_.node = p;
         return false;
       }
-      for (LazyBuffer* b : st.released_after(pn)) release(b);
+      ++p;
     }
+    binder_ = nullptr;
     return true;
   }
+
+ public:
+  const Stage& stage() const override {
+    return *stage_;
+  }
+
+  bool run_plain(size_t p, bool measure) override {
+    const PlannedNode& pn = stage_->nodes[p];
+    if (!run_node(pn, *binder_, 0, measure)) return false;
+    for (LazyBuffer* b : stage_->released_after(pn)) release(b);
+    return true;
+  }
+
+  void bookkeep(size_t p, c10::ArrayRef<c10::Storage> results) override {
+    const PlannedNode& pn = stage_->nodes[p];
+    Node& n = *pn.node;
+    for (size_t i = 0; i < results.size(); ++i) {
+      if (!results[i]) continue;
+      LazyBuffer& b = i < n.defs.size() ? *n.defs[i].ref.buf : *n.uses[i - n.defs.size()].ref.buf;
+      if (!b.has_real()) b.set_real(results[i]);
+    }
+    if (out_.restartable) check_restartable(pn);
+    binder_->done(pn);
+    stamp_writes(n);
+    ++out_.executed;
+    for (LazyBuffer* b : stage_->released_after(pn)) release(b);
+  }
+
+  ExecOutcome& outcome() override {
+    return out_;
+  }
+
+ private:
 
   // The plan's batch facts, on the buffers that hold the versions they describe (a plan that stopped
   // early did not write some of them).
@@ -459,6 +503,9 @@ class Walker {
 
   const Plan& plan_;
   DevicePeakWindow* device_peak_; // a CUDA-like backing device's (else the counting allocator's)
+  StageRunner* runner_;
+  const Stage* stage_ = nullptr; // the whole stage running, and its binder
+  Binder* binder_ = nullptr;
   ExecOutcome out_;
   torch::jit::Stack stack_;
   const bool counting_ = backing_device().is_cpu(); // the counting allocator sees every byte
@@ -479,7 +526,7 @@ class Walker {
 
 } // namespace
 
-ExecOutcome execute(const Plan& plan, c10::ArrayRef<Node*> random_nodes) {
+ExecOutcome execute(const Plan& plan, c10::ArrayRef<Node*> random_nodes, StageRunner* runner) {
   device_counter().reset_window_peak();
   device_counter().start_injection();
   ReplayScope scope;
@@ -493,12 +540,16 @@ ExecOutcome execute(const Plan& plan, c10::ArrayRef<Node*> random_nodes) {
   // Sampled after each node only where the plan comes over half its budget: reading the allocator's
   // statistics takes its lock and copies them, a cost per kernel that eager does not pay. Elsewhere
   // the peak is the process's where the run raised it, else the larger of the start and the end.
-  const bool each_node = plan.budget >= 0 && plan.predicted_peak > plan.budget / 2;
-  ExecOutcome out = Walker(plan, device_peak && each_node ? &*device_peak : nullptr).run();
+  const bool each_node = plan.budget >= 0 && plan.predicted_peak > plan.budget / 2 && device_peak &&
+      !device_peak->traced();
+  const int64_t resident = device_peak ? lazymem_device_bytes() : 0;
+  ExecOutcome out = Walker(plan, each_node ? &*device_peak : nullptr, runner).run();
   if (!out.oom) draws.finish();
   device_counter().stop_injection();
   if (device_peak) device_peak->sample();
   out.peak = device_peak ? device_peak->peak() : device_counter().window_peak();
+  // Graphs ran in their pools, which the allocator's trace does not see.
+  if (runner && runner->pool_bytes() > 0) out.peak = std::max(out.peak, resident + runner->pool_bytes());
   return out;
 }
 

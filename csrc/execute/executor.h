@@ -46,9 +46,35 @@ struct ExecOutcome {
   const Node* peak_node = nullptr;   // the node running when it happened (nullptr: between nodes)
 };
 
+// A whole stage's walk, as a StageRunner drives it (execute/graphs.h: CUDA graphs).
+class StageWalk {
+ public:
+  virtual ~StageWalk() = default;
+  virtual const Stage& stage() const = 0;
+  // Runs node p as execute() runs it, then releases what dies after it. False: out of memory.
+  // `measure`: its time and workspace feed the models (not in a capture's dry run, which launches
+  // nothing, nor in an emulated replay, which copies every result).
+  virtual bool run_plain(size_t p, bool measure = true) = 0;
+  // Node p's effects on the buffers without running its kernel (a graph ran it): `results` (one per
+  // def, then one per use; undefined: none) become the storage of those buffers that have none, then
+  // versions, epochs and releases as run_plain.
+  virtual void bookkeep(size_t p, c10::ArrayRef<c10::Storage> results) = 0;
+  virtual ExecOutcome& outcome() = 0;
+};
+
+class StageRunner {
+ public:
+  virtual ~StageRunner() = default;
+  // At node p of a whole stage: runs nodes [p, q) itself and returns q, or returns p (the walk runs
+  // p plainly).
+  virtual size_t run_from(size_t p, StageWalk& walk) = 0;
+  // After the run: device bytes its graphs' pools held beyond lazymem's values (counted in the peak).
+  virtual int64_t pool_bytes() const = 0;
+};
+
 // Runs `plan`. The caller holds the flush lock. `random_nodes`: the random nodes of the plan's
 // segment that draw, in program order (the plan's and those it leaves pending): each draws in that
-// order (execute/streams.h).
-ExecOutcome execute(const Plan& plan, c10::ArrayRef<Node*> random_nodes = {});
+// order (execute/streams.h). `runner`: runs parts of a whole stage itself (graph replay).
+ExecOutcome execute(const Plan& plan, c10::ArrayRef<Node*> random_nodes = {}, StageRunner* runner = nullptr);
 
 } // namespace lazymem

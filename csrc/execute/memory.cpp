@@ -24,8 +24,10 @@
 
 #include "core/check.h"
 #include "core/config.h"
+#include "core/cuda_backend.h"
 #include "core/runtime.h"
 #include "core/version.h"
+#include "execute/graphs.h"
 #include "ir/buffer.h"
 #if LAZYMEM_TORCH_AT_LEAST(2, 9)
 #include <c10/core/CachingDeviceAllocator.h>
@@ -315,6 +317,12 @@ int64_t with_margin(int64_t total) {
 
 } // namespace
 
+bool memory_capped() {
+  const c10::Device dev = backing_device();
+  return config().memory_budget.load(std::memory_order_relaxed) >= 0 ||
+      (!dev.is_cpu() && device_memory_fraction(dev.index()) < 1.0);
+}
+
 int64_t memory_budget() {
   const int64_t user = config().memory_budget.load(std::memory_order_relaxed);
   c10::Device dev = backing_device();
@@ -331,7 +339,9 @@ int64_t memory_budget() {
     auto [free, total] = c10::getDeviceAllocator(dev.type())->getMemoryInfo(dev.index());
     const auto st = device_stats(dev);
     const int64_t allocated = st.allocated_bytes[kAllPools].current;
-    const int64_t cached_free = std::max<int64_t>(0, st.reserved_bytes[kAllPools].current - allocated);
+    // Blocks cached in CUDA graphs' pools serve only their graphs (execute/graphs.h): not free.
+    const int64_t cached_free = std::max<int64_t>(
+        0, st.reserved_bytes[kAllPools].current - allocated - stats().cuda_graph_pool_bytes.load(std::memory_order_relaxed));
     int64_t can_give = static_cast<int64_t>(free) + cached_free;
     const double fraction = device_memory_fraction(dev.index());
     if (fraction < 1.0) {
@@ -404,6 +414,15 @@ int64_t allocated_on(c10::Device dev) {
 }
 } // namespace
 
+int64_t reserved_on(c10::Device dev) {
+#if LAZYMEM_TORCH_AT_LEAST(2, 9)
+  return dev.is_cpu() ? 0 : device_stats(dev).reserved_bytes[kAllPools].current;
+#else
+  (void)dev;
+  return 0;
+#endif
+}
+
 int64_t library_bytes() {
   return g_library_bytes.load(std::memory_order_relaxed);
 }
@@ -456,8 +475,8 @@ ScopedAllocatorCap::ScopedAllocatorCap(int64_t budget, bool enforce) {
   device_ = dev;
   try {
     const int64_t allocated = allocated_on(dev);
-    // Not lazymem's: what the process holds beyond lazymem's values and workspaces.
-    unheld_before_ = allocated - resident_bytes();
+    // Not lazymem's: what the process holds beyond lazymem's values and workspaces (and its graphs').
+    unheld_before_ = allocated - resident_bytes() - cuda_graph_unheld_bytes();
     if (!enforce) return;
     const double fraction = capped_fraction(dev, budget, unheld_before_ - library_bytes());
     if (fraction <= 0.0) return;
@@ -477,7 +496,7 @@ ScopedAllocatorCap::~ScopedAllocatorCap() {
     // libraries (cuBLAS's workspace per stream, first made by the first matmul): lazymem's from now
     // on. Never more than what lazymem's values leave of the allocated bytes (the user may free
     // theirs meanwhile, and torch may clear the workspaces).
-    const int64_t unheld = allocated_on(device_) - resident_bytes();
+    const int64_t unheld = allocated_on(device_) - resident_bytes() - cuda_graph_unheld_bytes();
     int64_t lib = library_bytes() + std::max<int64_t>(0, unheld - unheld_before_);
     g_library_bytes.store(std::clamp<int64_t>(lib, 0, std::max<int64_t>(0, unheld)), std::memory_order_relaxed);
   } catch (...) {
@@ -489,6 +508,9 @@ DevicePeakWindow::DevicePeakWindow(c10::Device device) : device_(device) {
   others_ = allocated() - resident;
   peak_before_ = process_peak();
   seen_ = resident;
+  base_ = resident;
+  traced_ = device.is_cuda() && cuda_backend() != nullptr;
+  if (traced_) cuda_backend()->peak_reset(device.index());
 }
 
 int64_t DevicePeakWindow::allocated() const {
@@ -512,6 +534,7 @@ void DevicePeakWindow::sample() {
 }
 
 int64_t DevicePeakWindow::peak() const {
+  if (traced_) return std::max(seen_, base_ + cuda_backend()->peak_since_reset());
   const int64_t p = process_peak();
   return p > peak_before_ ? std::max(seen_, p - others_) : seen_;
 }

@@ -121,6 +121,9 @@ int64_t worker_allocations();
 // per-process memory fraction (fraction x total, less what the process has allocated); on the CPU,
 // the host's available memory.
 int64_t memory_budget();
+// The user capped lazymem's memory: a budget (set_memory_budget), or a per-process memory fraction
+// on the backing device.
+bool memory_capped();
 // Whether an allocator raises out of memory past the budget: the simulated device, when the budget
 // is its capacity. Elsewhere (a budget set below the device, a plain CPU backing, CUDA) nothing
 // would stop a plan from running over it, so a plan predicted over the budget is refused instead.
@@ -188,19 +191,27 @@ void restore_allocator(double fraction);
 // libraries keep (cuBLAS's per stream). Measured around each run on a CUDA-like device; lazymem's,
 // like its values: in its budget, its cap and its peak. 0 on the CPU.
 int64_t library_bytes();
+// Device bytes the caching allocator has reserved on `dev` (0 on the CPU).
+int64_t reserved_on(c10::Device dev);
 // What lazymem holds on a CUDA-like backing device: its values (resident_bytes()) and library_bytes().
 int64_t lazymem_device_bytes();
 // lazymem's peak bytes on a CUDA-like backing device during one execution, resident values included,
-// from the caching allocator's allocated-bytes statistics (lazymem's own allocations and its kernels'
-// go through it): exact when the execution sets the process's peak — a training step usually does —
-// else the largest value sampled: at node boundaries where the plan comes over half its budget, at
-// its start and end otherwise. Other threads' allocations meanwhile count as
-// lazymem's. The allocator's peak is never reset (the user's max_memory_allocated() stays theirs).
+// from the caching allocator (lazymem's own allocations and its kernels' go through it). Exact with the
+// CUDA backend (core/cuda_backend.h): the allocator's trace of every allocation and free since the
+// window opened. Without it, from the allocator's statistics: exact when the execution sets the
+// process's peak, else the largest value sampled — at node boundaries where the plan comes over half
+// its budget, at its start and end otherwise (an earlier, larger step of the process hid the peak of
+// a smaller one: gpu_check's float64 split took such a peak for its budget). Other threads'
+// allocations meanwhile count as lazymem's. The allocator's peak is never reset (the user's
+// max_memory_allocated() stays theirs).
 class DevicePeakWindow {
  public:
   explicit DevicePeakWindow(c10::Device device);
   void sample(); // after a node
   int64_t peak() const;
+  bool traced() const {
+    return traced_;
+  }
 
  private:
   int64_t allocated() const;
@@ -209,6 +220,8 @@ class DevicePeakWindow {
   int64_t others_ = 0;     // bytes allocated by the rest of the process when the window opened
   int64_t peak_before_ = 0; // the process's peak then
   int64_t seen_ = 0;        // the largest sample, as lazymem's bytes
+  int64_t base_ = 0;        // lazymem's bytes when the window opened
+  bool traced_ = false;     // the CUDA backend traces allocations
 };
 
 // Installs the counting CPU allocator; idempotent. Returns false (and leaves counting off) if

@@ -13,11 +13,13 @@
 
 #include "core/check.h"
 #include "core/config.h"
+#include "core/cuda_backend.h"
 #include "core/runtime.h"
 #include "distributed/collectives.h"
 #include "device/cuda_autograd.h"
 #include "device/generator.h"
 #include "device/phantom.h"
+#include "execute/graphs.h"
 #include "execute/memory.h"
 #include "execute/transfer.h"
 #include "plan/timing.h"
@@ -107,6 +109,7 @@ void set_backing_device(const std::string& name) {
                   " lazymem buffers hold data on ", cur,
                   "; choose the backing device before creating lazymem tensors, or drop them (move what you "
                   "need to the CPU with .cpu()) and try again");
+    drop_cuda_graphs(); // their addresses are on the old device
   }
   set_backing_device_unchecked(d);
 }
@@ -176,7 +179,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("_memory_allocated", memory_allocated);
   // What the planner counts as held before a program runs: values, and on a CUDA-like device the
   // workspaces lazymem's kernels left (cuBLAS's, one per thread and stream).
-  m.def("_device_bytes_held", [] { return backing_is_cpu() ? device_counter().allocated() : lazymem_device_bytes(); });
+  m.def("_device_bytes_held", [] {
+    return backing_is_cpu() ? device_counter().allocated() - cuda_graph_unheld_bytes() : lazymem_device_bytes();
+  });
   m.def("_max_memory_allocated", [] { return backing_is_cpu() ? device_counter().peak() : resident_bytes(); });
   m.def("_reset_peak_memory_stats", [] { device_counter().reset_peak(); });
   m.def("_device_capacity", [] { return device_counter().capacity(); });
@@ -232,6 +237,21 @@ PYBIND11_MODULE(_C, m) {
     return on > 0 || (on < 0 && !backing_device().is_cpu());
   });
   m.def("_pipeline_drain", drain_pipeline);
+  m.def("_set_cuda_graphs", [](bool on) {
+    config().cuda_graphs = on;
+    if (!on) {
+      py::gil_scoped_release nogil;
+      drop_cuda_graphs();
+    }
+  });
+  m.def("_cuda_graphs", [] {
+    if (backing_device().is_cuda()) init_backing_device(); // (loads the CUDA backend)
+    return config().cuda_graphs.load() && (backing_device().is_cuda() ? cuda_backend() != nullptr : graph_emulation());
+  });
+  m.def("_set_graph_emulation", [](bool on) {
+    py::gil_scoped_release nogil;
+    set_graph_emulation(on);
+  });
   m.def("_set_pipeline_batch", [](uint64_t n) { config().pipeline_batch = n; }); // 0: the default
   m.def("_set_chunk_node_ns", [](int64_t ns) { config().chunk_node_ns = ns; });    // -1: the device's
   flush_hooks().without_gil = [](const std::function<void()>& wait) {

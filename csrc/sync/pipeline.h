@@ -20,6 +20,7 @@
 
 #include "core/config.h"
 #include "core/runtime.h"
+#include "execute/graphs.h"
 #include "execute/memory.h"
 #include "ir/program.h"
 #include "sync/sync.h"
@@ -31,7 +32,8 @@ bool in_flush_on_this_thread();
 
 // Device bytes lazymem holds: its values and, on a CUDA-like device, its kernels' workspaces.
 inline int64_t device_bytes_held() {
-  return backing_device().is_cpu() ? device_counter().allocated() : lazymem_device_bytes();
+  // (What CUDA graphs hold beyond values is theirs: on a CUDA device it is outside lazymem_device_bytes.)
+  return backing_device().is_cpu() ? device_counter().allocated() - cuda_graph_unheld_bytes() : lazymem_device_bytes();
 }
 
 // Pipelined execution (issue 30 item 1): once a materialization has shown that the program runs

@@ -18,6 +18,7 @@
 #include "core/config.h"
 #include "core/runtime.h"
 #include "execute/executor.h"
+#include "execute/graphs.h"
 #include "execute/memory.h"
 #include "execute/replay.h"
 #include "execute/ws_probe.h"
@@ -290,12 +291,18 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
     if (n->random && !n->drawn && rng_form_draws(n->rng_form)) random_nodes.push_back(n.get());
   }
   if (req.background) stats().pipelined_flushes.fetch_add(1, std::memory_order_relaxed);
+  // Under memory pressure the graphs' pools give their cached blocks back.
+  if (plan.split && stats().cuda_graph_pool_bytes.load(std::memory_order_relaxed) > 0) drop_cuda_graphs();
   ExecOutcome out;
   {
     // The caching allocator holds the run to the budget (CUDA), where the plan comes near it.
-    ScopedAllocatorCap cap(budget, budget >= 0 && plan.predicted_peak > budget / 2);
-    out = execute(plan, random_nodes);
+    const bool capped = budget >= 0 && plan.predicted_peak > budget / 2;
+    ScopedAllocatorCap cap(budget, capped);
+    // Graphs' pools hold memory between steps: not where the user capped memory.
+    std::unique_ptr<StageRunner> graphs = graph_runner(plan, capped || memory_capped());
+    out = execute(plan, random_nodes, graphs.get());
   }
+  if (out.oom && stats().cuda_graph_pool_bytes.load(std::memory_order_relaxed) > 0) drop_cuda_graphs();
   // A loop that ran out of memory finished with smaller chunks: so does the plan next time.
   for (auto [stage, chunk] : out.smaller_chunks) plan_learned_chunk(plan.template_id, stage, chunk);
   // Its nodes' times are measured now: the next plan of the program prices recomputing.

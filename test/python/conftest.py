@@ -26,7 +26,7 @@ from torch_lazymem.testing.compare import compare  # noqa: E402
 # deterministic); every other module compares against eager CPU or measures the simulated,
 # memory-capped device (a CPU backing, DESIGN.md §3), and is skipped there.
 BACKING = os.environ.get("LAZYMEM_TEST_BACKING") or ("cuda" if torch.cuda.is_available() else "cpu")
-CUDA_MODULES = {"test_backing.py", "test_cuda.py", "test_opinfo.py"}
+CUDA_MODULES = {"test_backing.py", "test_cuda.py", "test_cuda_graphs.py", "test_opinfo.py"}
 torch_lazymem.set_backing_device(BACKING)
 
 

@@ -102,6 +102,17 @@ def no_plan_reuse() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def emulated_cuda_graphs() -> Iterator[None]:
+    """CUDA graphs emulated on the CPU backing (execute/graphs.h): reused plans run in captured pieces
+    and plain nodes as on a GPU, each "replay" running its nodes with the addresses a graph bakes in."""
+    _C._set_graph_emulation(True)
+    try:
+        yield
+    finally:
+        _C._set_graph_emulation(False)
+
+
+@contextlib.contextmanager
 def force_chunks(n: int) -> Iterator[None]:
     """Splits every materialization into ``n`` chunks along the batch, whether it fits or not (for
     tests and debugging); ``n`` larger than the batch gives chunks of one row."""
