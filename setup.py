@@ -87,10 +87,11 @@ def _cuda_include():
 
     if torch.version.cuda is None or os.environ.get("LAZYMEM_NO_CUDA_LIB"):
         return None
-    candidates = [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")]
+    # The wheel's first: they match the CUDA torch was built with; a toolkit's may be another version.
     site = os.path.dirname(os.path.dirname(torch.__file__))
-    candidates += sorted(glob.glob(os.path.join(site, "nvidia", "cu*", "include")))
+    candidates = sorted(glob.glob(os.path.join(site, "nvidia", "cu*", "include")))
     candidates += [os.path.join(site, "nvidia", "cuda_runtime", "include")]
+    candidates += [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")]
     return next((c for c in candidates if os.path.exists(os.path.join(c, "cuda_runtime_api.h"))), None)
 
 
@@ -138,6 +139,11 @@ class Build(BuildExtension):
             if ext.name == CORE_NAME:
                 self.precompile_header(ext)
             super().build_extension(ext)
+        except Exception as e:
+            if ext.name != CUDA_NAME:
+                raise
+            # Optional: without it lazymem runs every plan plainly (no CUDA graphs, sampled peaks).
+            print(f"warning: torch_lazymem's CUDA library (CUDA graphs) was not built: {e}")
         finally:
             self.build_temp = base
 

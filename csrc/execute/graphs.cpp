@@ -63,6 +63,7 @@ struct Piece {
   // Per node of the piece, per slot: the storage the graph writes the buffer's value in (undefined:
   // none — a buffer that held data before the piece, or one that dies inside it).
   std::vector<std::vector<c10::Storage>> results;
+  std::vector<std::pair<uint32_t, uint32_t>> outs; // (node - begin, slot) of each result
 };
 
 struct Entry {
@@ -84,6 +85,7 @@ void destroy(Piece& p) {
   p.pool_bytes = 0;
   p.inputs.clear();
   p.results.clear();
+  p.outs.clear();
 }
 
 void destroy(Entry& e) {
@@ -243,11 +245,7 @@ class Runner final : public StageRunner {
     }
     std::unordered_set<const c10::StorageImpl*> pooled;
     for (const auto& [b, other] : e_.pieces) {
-      for (const auto& node : other.results) {
-        for (const c10::Storage& s : node) {
-          if (s) pooled.insert(s.unsafeGetStorageImpl());
-        }
-      }
+      for (auto [q, s] : other.outs) pooled.insert(other.results[q][s].unsafeGetStorageImpl());
     }
     for (Input& in : piece.inputs) {
       LazyBuffer* b = buffer(walk, in);
@@ -338,6 +336,7 @@ class Runner final : public StageRunner {
           auto& r = piece.results[q - piece.begin];
           if (r.empty()) r.resize(slots(pn));
           r[s] = b->real;
+          piece.outs.emplace_back(static_cast<uint32_t>(q - piece.begin), static_cast<uint32_t>(s));
         }
       }
       piece.graph = graph;
@@ -386,16 +385,12 @@ class Runner final : public StageRunner {
       if (!b->has_real() || b->real_on_host || b->poison) return false;
       if (!in.moves && b->real.data() != in.at) return false;
     }
-    for (size_t q = piece.begin; q < piece.end; ++q) {
-      const auto& r = piece.results[q - piece.begin];
-      for (size_t s = 0; s < r.size(); ++s) {
-        if (r[s] && slot_buffer(st.nodes[q], s)->has_real()) return false;
-      }
+    for (auto [q, s] : piece.outs) {
+      if (slot_buffer(st.nodes[piece.begin + q], s)->has_real()) return false;
     }
-    for (auto& node : piece.results) {
-      for (c10::Storage& r : node) {
-        if (r && r.use_count() > 1) evacuate(r);
-      }
+    for (auto [q, s] : piece.outs) {
+      c10::Storage& r = piece.results[q][s];
+      if (r.use_count() > 1) evacuate(r);
     }
     for (const Input& in : piece.inputs) {
       if (!in.moves) continue;
@@ -559,10 +554,9 @@ int64_t cuda_graph_unheld_bytes() {
   for (const auto& [id, e] : c.entries) {
     for (const auto& [b, piece] : e.pieces) {
       for (const Input& in : piece.inputs) n += in.copy ? static_cast<int64_t>(in.copy.nbytes()) : 0;
-      for (const auto& node : piece.results) {
-        for (const c10::Storage& r : node) {
-          if (r && r.use_count() == 1) n += static_cast<int64_t>(r.nbytes());
-        }
+      for (auto [q, s] : piece.outs) {
+        const c10::Storage& r = piece.results[q][s];
+        if (r.use_count() == 1) n += static_cast<int64_t>(r.nbytes());
       }
     }
   }
