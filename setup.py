@@ -88,11 +88,13 @@ def _cuda_include():
     if torch.version.cuda is None or os.environ.get("LAZYMEM_NO_CUDA_LIB"):
         return None
     # The wheel's first: they match the CUDA torch was built with; a toolkit's may be another version.
+    # A wheel may lack the compiler's headers (crt/host_config.h, which cuda_runtime.h includes).
     site = os.path.dirname(os.path.dirname(torch.__file__))
     candidates = sorted(glob.glob(os.path.join(site, "nvidia", "cu*", "include")))
     candidates += [os.path.join(site, "nvidia", "cuda_runtime", "include")]
     candidates += [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")]
-    return next((c for c in candidates if os.path.exists(os.path.join(c, "cuda_runtime_api.h"))), None)
+    needed = ("cuda_runtime_api.h", os.path.join("crt", "host_config.h"))
+    return next((c for c in candidates if all(os.path.exists(os.path.join(c, f)) for f in needed)), None)
 
 
 if _cuda_include():
