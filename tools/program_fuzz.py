@@ -4,6 +4,7 @@ peak, with random allocation failures injected, and compared.
 
     python tools/program_fuzz.py [--programs 2000] [--seed 0] [--jobs 2] [--timeout 300]
     python tools/program_fuzz.py --replay SEED      # one program: its text, its outcome
+    python tools/program_fuzz.py --graphs           # each program 4 times, CUDA graphs emulated
     python tools/program_fuzz.py --worker 9042,9110 # seeds in this process, in order: a JSON line each
 
 The grammar (tools/program_grammar.py):
@@ -87,7 +88,6 @@ os.environ.setdefault("LAZYMEM_CHECK_BOUNDARY", "1")
 import torch  # noqa: E402
 from program_grammar import Spec, draw, run_program  # noqa: E402
 
-
 # ---------------------------------------------------------------------------------------------------
 # One program against eager.
 
@@ -132,13 +132,43 @@ def classify_oom(message: str, cap: int) -> str:
     return "other"
 
 
+def check_graphs(spec: Spec, expected: list[torch.Tensor]) -> dict:
+    """--graphs: the program four times, uncapped, with CUDA graphs emulated (the third run on
+    replays its plans' pieces): each run equal to eager."""
+    import torch_lazymem
+    from torch_lazymem.testing import emulated_cuda_graphs
+    torch_lazymem.reset_stats()
+    result: dict = {"seed": spec.seed, "cap": 0, "eager_peak": 0}
+    try:
+        with emulated_cuda_graphs():
+            for run in range(4):
+                got = run_program(spec, "lazymem")
+                torch.lazymem.synchronize()
+                assert len(got) == len(expected), (len(got), len(expected))
+                for a, b in zip(got, expected):
+                    torch.testing.assert_close(a, b, msg=lambda m, run=run: f"run {run + 1}: {m}")
+    except AssertionError as e:
+        return dict(result, status="WRONG", detail=str(e)[:600])
+    except Exception as e:  # noqa: BLE001 - every exception is a finding
+        return dict(result, status="ERROR", detail="".join(traceback.format_exception(e))[-1500:])
+    stats = torch_lazymem.stats()
+    return dict(result, status="ok", peak=0, split=False, retries=0, row_loops=False,
+                graph_nodes=stats["cuda_graph_nodes"], plain_nodes=stats["cuda_graph_plain_nodes"])
+
+
 def check(spec: Spec) -> dict:
     import torch_lazymem
-    from torch_lazymem.testing import (eager_max_memory_allocated, fail_allocation, memory_cap,
-                                       simulated_device)
+    from torch_lazymem.testing import (
+        eager_max_memory_allocated,
+        fail_allocation,
+        memory_cap,
+        simulated_device,
+    )
     with memory_cap(1 << 45):
         expected = run_program(spec, "cpu")
         peak = eager_max_memory_allocated()
+    if os.environ.get("PROGRAM_FUZZ_GRAPHS") == "1":
+        return check_graphs(spec, expected)
     cap = max(int(peak * spec.cap_fraction), 64 << 10)
     torch.lazymem.synchronize()
     torch_lazymem.reset_stats()
@@ -314,6 +344,9 @@ def report(results: list[dict], seconds: float) -> int:
           f"torn in-place update {causes['torn']}, other {causes['other']})")
     for b in BUGS:
         print(f"  {b.lower():15s} {counts[b]}")
+    if any("graph_nodes" in r for r in results):
+        print(f"  graphs          {sum(r.get('graph_nodes', 0) for r in results)} nodes replayed in graphs, "
+              f"{sum(r.get('plain_nodes', 0) for r in results)} plain between them")
     bugs = [r for r in results if r["status"] in BUGS]
     for r in bugs:
         print(f"\n{r['status']} {draw(r['seed']).text()}\n  {r.get('detail', '')[:800]}")
@@ -335,12 +368,17 @@ def main() -> int:
                         help="the cap as a memory budget on a device 4x larger (nothing enforces it)")
     # --worker SEEDS: these seeds in this process (see the docstring); the scheduler's workers are
     # started with --worker --out FILE --items FILE (tools/_workers.py).
+    parser.add_argument("--graphs", action="store_true",
+                        help="each program four times uncapped with CUDA graphs emulated (execute/graphs.h), "
+                             "every run against eager")
     parser.add_argument("--worker", nargs="?", const="", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--items", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.budget_only:
         os.environ["PROGRAM_FUZZ_BUDGET_ONLY"] = "1"  # (the workers inherit it)
+    if args.graphs:
+        os.environ["PROGRAM_FUZZ_GRAPHS"] = "1"
     if args.worker is not None:
         seeds = _workers.read_items(args.items) if args.items else [int(s) for s in args.worker.split(",") if s]
         worker(seeds, args.out)
