@@ -14,6 +14,7 @@
 #include "core/runtime.h"
 #include "device/phantom.h"
 #include "record/cpp_meta.h"
+#include "record/native_meta.h"
 #include "record/layout.h"
 
 namespace lazymem {
@@ -121,6 +122,8 @@ bool dispatch_meta(Call& call, torch::jit::Stack& stack) {
     cpp->callBoxed(call.op, c10::DispatchKeySet(c10::DispatchKey::Meta), &stack);
     return true;
   }
+  // A C++ meta function of lazymem's for an op whose meta kernel is Python only (native_meta.h).
+  if (native_meta(call.op, stack)) return true;
   if (call.rules.structured) {
     torch::jit::Stack copy = stack;
     try {

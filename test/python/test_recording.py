@@ -76,6 +76,47 @@ def test_a_structured_op_unseen_by_the_meta_cache_runs_no_python_meta_kernel():
         assert str(want.value) in str(got.value)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_norm_records_without_python_and_as_the_backing_kernel_returns(dtype):
+    """native_layer_norm's only meta kernel is torch's Python reference (whose first call imported
+    torch._dynamo: 1.9 s in a model's first step); lazymem's C++ meta function (record/native_meta.h)
+    gives the backing kernel's outputs — on the CPU, a bfloat16 input's mean and rstd in bfloat16, as
+    eager's — and eager's errors."""
+    import sys
+
+    x = torch.randn(6, 4, 8, dtype=dtype)
+    w, b = torch.randn(8, dtype=dtype), torch.randn(8, dtype=dtype)
+    lx, lw, lb = (t.to("lazymem").requires_grad_() for t in (x, w, b))
+    torch_lazymem._C._clear_meta_cache()
+    python_meta: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call" and any(p in frame.f_code.co_filename.replace("\\", "/") for p in ("torch/_refs", "torch/_meta_registrations", "torch/_decomp")):
+            python_meta.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        out, mean, rstd = torch.native_layer_norm(lx, (8,), lw, lb, 1e-5)
+        grads = torch.autograd.grad(out.sum(), (lx, lw, lb))
+    finally:
+        sys.setprofile(None)
+    assert python_meta == []
+    want = torch.native_layer_norm(x, (8,), w, b, 1e-5)
+    for got, ref in zip((out, mean, rstd), want):
+        assert (got.dtype, got.shape, got.stride()) == (ref.dtype, ref.shape, ref.stride())
+        assert_bitwise(got, ref)
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    for got, ref in zip(grads, torch.autograd.grad(torch.native_layer_norm(xr, (8,), wr, br, 1e-5)[0].sum(), (xr, wr, br))):
+        assert_bitwise(got, ref)
+    for bad in (lambda t, w: torch.native_layer_norm(t, (5,), None, None, 1e-5),
+                lambda t, w: torch.native_layer_norm(t, (8,), w[:4], None, 1e-5)):
+        with pytest.raises(RuntimeError) as want_err:
+            bad(x, w)
+        with pytest.raises(RuntimeError) as got_err:
+            bad(lx.detach(), lw.detach())
+        assert str(want_err.value) in str(got_err.value)
+
+
 def test_float_arguments_key_by_value_only_where_they_shape_outputs():
     x = torch.randn(2, 3, 4, 4, device="lazymem")
     x.mul(1.5)

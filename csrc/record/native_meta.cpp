@@ -1,0 +1,96 @@
+// record: C++ meta functions for ops whose meta kernel is Python only (native_meta.h).
+#include "record/native_meta.h"
+
+#include <array>
+#include <optional>
+#include <string_view>
+
+#include <ATen/ATen.h>
+#include <ATen/AccumulateType.h>
+#include <ATen/native/cpu/mixed_data_type.h>
+#include <ATen/native/layer_norm.h>
+
+#include "core/config.h"
+#include "core/runtime.h"
+
+namespace lazymem {
+namespace {
+
+std::vector<int64_t> int_list(const c10::IValue& v) {
+  std::vector<int64_t> out;
+  for (const c10::IValue& e : v.toListRef()) out.push_back(e.isSymInt() ? e.toSymInt().guard_int(__FILE__, __LINE__) : e.toInt());
+  return out;
+}
+
+at::Tensor optional_tensor(const c10::IValue& v) {
+  return v.isNone() ? at::Tensor() : v.toTensor();
+}
+
+// A contiguous meta tensor of `sizes` and `dtype` (eager's kernels allocate their outputs so:
+// empty_like with LEGACY_CONTIGUOUS_MEMORY_FORMAT, at::empty).
+at::Tensor empty(c10::IntArrayRef sizes, at::ScalarType dtype) {
+  return at::empty(sizes, at::TensorOptions().dtype(dtype).device(c10::kMeta));
+}
+
+// The dtype of native_layer_norm's mean and rstd on the backing device: the CPU kernel's
+// param_scalar_type (the input's, float where the parameters are float and the input reduced), the
+// CUDA one's accumulate type.
+at::ScalarType stat_dtype(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias) {
+  if (backing_device().is_cuda()) return at::toAccumulateType(input.scalar_type(), /*is_cuda=*/true);
+  const bool mixed = at::native::is_mixed_type(input, weight, bias);
+  if (mixed) at::native::check_mixed_data_type(input, weight, bias);
+  return at::native::param_scalar_type(input, mixed);
+}
+
+void layer_norm(torch::jit::Stack& stack) {
+  const at::Tensor input = stack[0].toTensor();
+  const std::vector<int64_t> normalized = int_list(stack[1]);
+  const at::Tensor weight = optional_tensor(stack[2]), bias = optional_tensor(stack[3]);
+  const at::ScalarType dtype = stat_dtype(input, weight, bias);
+  (void)at::native::_check_layer_norm_inputs(input, normalized, weight, bias);
+  const size_t axis = static_cast<size_t>(input.dim()) - normalized.size();
+  std::vector<int64_t> stat(input.sizes().begin(), input.sizes().begin() + static_cast<int64_t>(axis));
+  stat.resize(static_cast<size_t>(input.dim()), 1);
+  stack.clear();
+  stack.emplace_back(empty(input.sizes(), input.scalar_type()));
+  stack.emplace_back(empty(stat, dtype));
+  stack.emplace_back(empty(stat, dtype));
+}
+
+void layer_norm_backward(torch::jit::Stack& stack) {
+  const at::Tensor input = stack[1].toTensor();
+  const std::vector<int64_t> normalized = int_list(stack[2]);
+  const at::Tensor weight = optional_tensor(stack[5]), bias = optional_tensor(stack[6]);
+  const auto mask = stack[7].to<std::array<bool, 3>>();
+  const auto [M, N] = at::native::_check_layer_norm_inputs(input, normalized, weight, bias);
+  (void)N;
+  auto like = [&](const at::Tensor& t) {
+    // eager: empty_like, or zeros_like for the parameters' gradients of an empty batch: the same meta
+    return t.defined() ? empty(t.sizes(), t.scalar_type()) : at::Tensor();
+  };
+  stack.clear();
+  stack.emplace_back(mask[0] ? like(input) : at::Tensor());
+  stack.emplace_back(mask[1] ? like(weight) : at::Tensor());
+  stack.emplace_back(mask[2] ? like(bias) : at::Tensor());
+  (void)M;
+}
+
+} // namespace
+
+bool native_meta(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
+  static const bool on = env_flag("LAZYMEM_CPP_META").value_or(true);
+  if (!on) return false;
+  const c10::OperatorName& name = op.operator_name();
+  if (!name.overload_name.empty()) return false;
+  if (name.name == "aten::native_layer_norm") {
+    layer_norm(stack);
+    return true;
+  }
+  if (name.name == "aten::native_layer_norm_backward") {
+    layer_norm_backward(stack);
+    return true;
+  }
+  return false;
+}
+
+} // namespace lazymem

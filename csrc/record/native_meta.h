@@ -1,0 +1,18 @@
+// record: meta functions for ops whose only meta kernel is a Python reference, written after the
+// backing device's own kernels (their output shapes, dtypes and layouts, and eager's checks and
+// messages). torch's reference for native_layer_norm runs torch._refs in Python (hundreds of µs a
+// call) and its first call imports torch._dynamo (through torch._refs.mean's dynamo-disable
+// wrapper: 1.9 s on this machine), which a model's first step paid; eager never runs it.
+#pragma once
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+
+namespace lazymem {
+
+// Runs `op`'s C++ meta function on `stack` (meta tensors) when lazymem has one: native_layer_norm
+// and native_layer_norm_backward. False (the stack untouched) for any other op. Off with
+// LAZYMEM_CPP_META=0, as record/cpp_meta.h.
+bool native_meta(const c10::OperatorHandle& op, torch::jit::Stack& stack);
+
+} // namespace lazymem
