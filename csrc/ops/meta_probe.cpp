@@ -1,6 +1,8 @@
 // ops: meta probes.
 #include "ops/meta_probe.h"
 
+#include <atomic>
+
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
@@ -109,6 +111,8 @@ std::optional<c10::ScalarType> backing_result_dtype(const c10::OperatorHandle& o
 
 namespace {
 
+std::atomic<MetaFirst> g_meta_first{nullptr};
+
 std::optional<ProbeOutput> run(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
                                const std::vector<ProbeTensor>& tensors) {
   c10::impl::ExcludeDispatchKeyGuard guard(kAboveBackendKeys);
@@ -139,7 +143,8 @@ std::optional<ProbeOutput> run(const c10::OperatorHandle& op, const std::vector<
     if (generator) stack[i] = c10::IValue();
   }
   try {
-    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &stack);
+    const MetaFirst first = g_meta_first.load(std::memory_order_acquire);
+    if (!first || !first(op, stack)) op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &stack);
   } catch (const std::exception&) {
     return std::nullopt;
   }
@@ -171,6 +176,10 @@ std::optional<ProbeOutput> run(const c10::OperatorHandle& op, const std::vector<
 }
 
 } // namespace
+
+void set_meta_first(MetaFirst f) {
+  g_meta_first.store(f, std::memory_order_release);
+}
 
 std::optional<ProbeOutput> meta_probe(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
                                       const std::vector<ProbeTensor>& tensors) {

@@ -11,6 +11,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/ivalue.h>
+#include <ATen/core/stack.h>
 #include <c10/util/SmallVector.h>
 
 namespace lazymem {
@@ -51,6 +52,12 @@ std::optional<c10::ScalarType> backing_result_dtype(const c10::OperatorHandle& o
 
 // `args`: the boxed arguments with tensor slots to be filled from `tensors` (their other values are
 // used as given). nullopt when the meta kernel raises or does not exist.
+// The meta kernels a probe runs before the Meta key's: record/ installs eager's C++ ones where Python
+// ones shadow them, and lazymem's own for Python-only ops (record/cpp_meta.h, record/native_meta.h),
+// so that a probe runs what meta inference runs. True when it ran the op.
+using MetaFirst = bool (*)(const c10::OperatorHandle& op, torch::jit::Stack& stack);
+void set_meta_first(MetaFirst f);
+
 std::optional<ProbeOutput> meta_probe(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
                                       const std::vector<ProbeTensor>& tensors);
 

@@ -13,6 +13,7 @@
 #include "core/config.h"
 #include "core/runtime.h"
 #include "device/phantom.h"
+#include "ops/meta_probe.h"
 #include "record/cpp_meta.h"
 #include "record/native_meta.h"
 #include "record/layout.h"
@@ -106,6 +107,19 @@ OutSpec describe(const at::Tensor& r, const Call& call, const std::vector<at::Te
   return o;
 }
 
+// What meta inference runs before the Meta key, also for the planner's meta probes (ops/meta_probe.h).
+bool meta_first(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
+  if (const c10::KernelFunction* cpp = shadowed_cpp_meta_kernel(op)) {
+    cpp->callBoxed(op, c10::DispatchKeySet(c10::DispatchKey::Meta), &stack);
+    return true;
+  }
+  return native_meta(op, stack);
+}
+const bool g_meta_first_installed = [] {
+  set_meta_first(&meta_first);
+  return true;
+}();
+
 // Runs the op on the meta mirrors. For structured ops the composite kernel is reached through an
 // otherwise unused backend key (PrivateUse2 has no kernels, so its dispatch entry is the
 // CompositeExplicitAutogradNonFunctional kernel): it runs the op's C++ meta function — exactly
@@ -117,13 +131,9 @@ bool dispatch_meta(Call& call, torch::jit::Stack& stack) {
   c10::impl::ExcludeDispatchKeyGuard guard(kAboveBackendKeys);
   // The op's own generated C++ Meta kernel, where a Python one shadows it: for a structured op the
   // same meta function without the composite's out= call, which would reach the Python kernel; for
-  // the others (zero_, fill_, out= forms) eager's meta kernel (cpp_meta.h).
-  if (const c10::KernelFunction* cpp = shadowed_cpp_meta_kernel(call.op)) {
-    cpp->callBoxed(call.op, c10::DispatchKeySet(c10::DispatchKey::Meta), &stack);
-    return true;
-  }
-  // A C++ meta function of lazymem's for an op whose meta kernel is Python only (native_meta.h).
-  if (native_meta(call.op, stack)) return true;
+  // the others (zero_, fill_, out= forms) eager's meta kernel (cpp_meta.h). Else a C++ meta function
+  // of lazymem's for an op whose meta kernel is Python only (native_meta.h).
+  if (meta_first(call.op, stack)) return true;
   if (call.rules.structured) {
     torch::jit::Stack copy = stack;
     try {

@@ -7,11 +7,13 @@
 
 #include <ATen/ATen.h>
 #include <ATen/AccumulateType.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/native/cpu/mixed_data_type.h>
 #include <ATen/native/layer_norm.h>
 
 #include "core/config.h"
 #include "core/runtime.h"
+#include "record/cpp_meta.h"
 
 namespace lazymem {
 namespace {
@@ -75,6 +77,37 @@ void layer_norm_backward(torch::jit::Stack& stack) {
   (void)M;
 }
 
+// relu and relu_: eager's kernels check the dtype, then run clamp_min(self, 0) (clamp_min_): a
+// structured op, whose C++ meta kernel gives exactly eager's result layout.
+void relu(torch::jit::Stack& stack, bool in_place) {
+  const at::Tensor self = stack[0].toTensor();
+  TORCH_CHECK(self.scalar_type() != at::kBool, "Boolean inputs not supported for relu");
+  static const c10::OperatorHandle clamp_min = c10::Dispatcher::singleton().findSchemaOrThrow("aten::clamp_min", "");
+  static const c10::OperatorHandle clamp_min_ = c10::Dispatcher::singleton().findSchemaOrThrow("aten::clamp_min_", "");
+  const c10::OperatorHandle& target = in_place ? clamp_min_ : clamp_min;
+  stack.clear();
+  stack.emplace_back(self);
+  stack.emplace_back(c10::Scalar(0));
+  const c10::DispatchKeySet meta(c10::DispatchKey::Meta);
+  if (const c10::KernelFunction* cpp = shadowed_cpp_meta_kernel(target)) {
+    cpp->callBoxed(target, meta, &stack);
+  } else {
+    target.redispatchBoxed(meta, &stack);
+  }
+}
+
+// _transformer_encoder_layer_fwd (nn.TransformerEncoderLayer's inference fast path): torch's Python
+// meta kernel returns empty_like(src), whose Python reference imported sympy (0.95 s) in an
+// inference's first step. The same here for a dense source; anything else takes the Python kernel.
+bool transformer_encoder_layer(torch::jit::Stack& stack) {
+  const at::Tensor src = stack[0].toTensor();
+  if (!src.is_non_overlapping_and_dense()) return false;
+  at::Tensor out = at::detail::empty_strided_meta(src.sizes(), src.strides(), src.scalar_type());
+  stack.clear();
+  stack.emplace_back(std::move(out));
+  return true;
+}
+
 } // namespace
 
 bool native_meta(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
@@ -88,6 +121,11 @@ bool native_meta(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
   }
   if (name.name == "aten::native_layer_norm_backward") {
     layer_norm_backward(stack);
+    return true;
+  }
+  if (name.name == "aten::_transformer_encoder_layer_fwd") return transformer_encoder_layer(stack);
+  if (name.name == "aten::relu" || name.name == "aten::relu_") {
+    relu(stack, name.name == "aten::relu_");
     return true;
   }
   return false;

@@ -10,9 +10,11 @@
 
 namespace lazymem {
 
-// Runs `op`'s C++ meta function on `stack` (meta tensors) when lazymem has one: native_layer_norm
-// and native_layer_norm_backward. False (the stack untouched) for any other op. Off with
-// LAZYMEM_CPP_META=0, as record/cpp_meta.h.
+// Runs `op`'s C++ meta function on `stack` (meta tensors) when lazymem has one: native_layer_norm,
+// native_layer_norm_backward, relu and relu_ (through clamp_min's C++ meta kernel, as eager's relu
+// runs clamp_min; torch's Python reference for relu imported torch._dynamo in an inference's first
+// step), _transformer_encoder_layer_fwd on a dense source. False (the stack untouched) otherwise. Off with LAZYMEM_CPP_META=0, as
+// record/cpp_meta.h.
 bool native_meta(const c10::OperatorHandle& op, torch::jit::Stack& stack);
 
 } // namespace lazymem

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
@@ -115,6 +116,38 @@ def test_layer_norm_records_without_python_and_as_the_backing_kernel_returns(dty
         with pytest.raises(RuntimeError) as got_err:
             bad(lx.detach(), lw.detach())
         assert str(want_err.value) in str(got_err.value)
+
+
+def test_relu_and_the_fused_encoder_layer_record_and_plan_without_python_meta_kernels():
+    """Their only meta kernels were Python references: relu's imported torch._dynamo and the fused
+    encoder layer's (inference fast path) imported sympy, in a first step and in the planner's meta
+    probes (record/native_meta.h). Eager's values, and eager's error for a boolean relu."""
+    import sys
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).eval()
+    x = torch.randn(3, 5, 16)
+    lazy = copy.deepcopy(layer).to("lazymem")
+    torch_lazymem._C._clear_meta_cache()
+    python_meta: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call" and any(p in frame.f_code.co_filename.replace("\\", "/") for p in ("torch/_refs", "torch/_meta_registrations", "torch/_decomp")):
+            python_meta.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        with torch.no_grad():
+            y = lazy(x.to("lazymem"))
+            r = torch.relu(y)
+            r.cpu()  # planned and run (the planner's meta probes included)
+    finally:
+        sys.setprofile(None)
+    assert python_meta == []
+    with torch.no_grad():
+        assert_bitwise(r, torch.relu(layer(x)))
+    with pytest.raises(RuntimeError, match="Boolean inputs not supported for relu"):
+        torch.relu(torch.tensor([True]).to("lazymem"))
 
 
 def test_float_arguments_key_by_value_only_where_they_shape_outputs():
