@@ -2,6 +2,7 @@
 #include "execute/graphs.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <list>
 #include <map>
@@ -77,8 +78,11 @@ struct Entry {
   std::list<uint64_t>::iterator lru;
 };
 
+std::atomic<int64_t> g_graphs{0}; // graphs alive (cuda_graph_unheld_bytes: none, nothing to count)
+
 void destroy(Piece& p) {
   if (!p.graph) return;
+  g_graphs.fetch_sub(1, std::memory_order_relaxed);
   p.backend->destroy(p.graph);
   p.graph = nullptr;
   stats().cuda_graph_pool_bytes.fetch_sub(p.pool_bytes, std::memory_order_relaxed);
@@ -340,6 +344,7 @@ class Runner final : public StageRunner {
         }
       }
       piece.graph = graph;
+      g_graphs.fetch_add(1, std::memory_order_relaxed);
       piece.backend = be_;
       piece.hashes.assign(e_.hashes.begin() + piece.begin, e_.hashes.begin() + piece.end);
       piece.pool_bytes = std::max<int64_t>(0, reserved_on(dev) - reserved) + copies;
@@ -548,6 +553,7 @@ bool graph_emulation() {
 }
 
 int64_t cuda_graph_unheld_bytes() {
+  if (g_graphs.load(std::memory_order_relaxed) == 0) return 0; // (every run_segment asks)
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mu);
   int64_t n = 0;

@@ -61,20 +61,17 @@ void layer_norm(torch::jit::Stack& stack) {
 
 void layer_norm_backward(torch::jit::Stack& stack) {
   const at::Tensor input = stack[1].toTensor();
-  const std::vector<int64_t> normalized = int_list(stack[2]);
   const at::Tensor weight = optional_tensor(stack[5]), bias = optional_tensor(stack[6]);
   const auto mask = stack[7].to<std::array<bool, 3>>();
-  const auto [M, N] = at::native::_check_layer_norm_inputs(input, normalized, weight, bias);
-  (void)N;
-  auto like = [&](const at::Tensor& t) {
-    // eager: empty_like, or zeros_like for the parameters' gradients of an empty batch: the same meta
-    return t.defined() ? empty(t.sizes(), t.scalar_type()) : at::Tensor();
+  (void)at::native::_check_layer_norm_inputs(input, int_list(stack[2]), weight, bias);
+  // eager: empty_like each (zeros_like for the parameters' gradients of an empty batch: the same meta)
+  auto like = [](bool wanted, const at::Tensor& t) {
+    return wanted && t.defined() ? empty(t.sizes(), t.scalar_type()) : at::Tensor();
   };
   stack.clear();
-  stack.emplace_back(mask[0] ? like(input) : at::Tensor());
-  stack.emplace_back(mask[1] ? like(weight) : at::Tensor());
-  stack.emplace_back(mask[2] ? like(bias) : at::Tensor());
-  (void)M;
+  stack.emplace_back(like(mask[0], input));
+  stack.emplace_back(like(mask[1], weight));
+  stack.emplace_back(like(mask[2], bias));
 }
 
 // relu and relu_: eager's kernels check the dtype, then run clamp_min(self, 0) (clamp_min_): a

@@ -178,3 +178,31 @@ def test_results_kept_across_steps_do_not_stop_an_unsplit_plan_from_being_reused
     assert all(b > a for a, b in zip(peaks[2:], peaks[3:])), peaks  # each kept result adds to it
     for x, y in zip(xs, kept):
         assert torch.equal(y.cpu(), model(x))
+
+
+def test_a_reused_plan_shifted_by_kept_results_still_keeps_the_budget_and_splits_when_it_must():
+    """The kept results grow the memory held until the stored unsplit plan no longer fits: it is not
+    reused then, and the step splits (37 rows: every chunking has a ragged last chunk). Each step
+    within the cap, every kept result equal to eager (float64)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).double()
+    lazy = copy.deepcopy(model).to("lazymem")
+    xs = [torch.randn(37, 64, dtype=torch.float64) for _ in range(40)]
+    kept, reused, split = [], [], []
+    with simulated_device(1200 << 10):
+        for x in xs:
+            torch_lazymem.reset_stats()
+            torch.lazymem.reset_peak_memory_stats()
+            kept.append(lazy(x.to("lazymem")))
+            torch_lazymem.sync()
+            s = torch_lazymem.stats()
+            reused.append(s["plans_reused"])
+            split.append(s["chunks"])
+            assert torch.lazymem.max_memory_allocated() <= 1200 << 10
+            if s["splits"] and len(split) > 3 and all(split[-3:]):
+                break
+    first_split = next(i for i, c in enumerate(split) if c)
+    assert sum(reused[:first_split]) >= 2, (reused, split)  # reused under growing held memory first
+    assert all(1 < c < 37 for c in split[first_split:]), split  # several chunks of a prime batch: ragged
+    for x, y in zip(xs, kept):
+        torch.testing.assert_close(y.cpu(), model(x))

@@ -82,24 +82,25 @@ def test_seeds_that_found_bugs(seed):
 # The cap as a memory budget only (`--budget-only`: on a device four times larger, so no allocator
 # stops a plan at the budget): a plan must stay within it or raise. Before plans over a budget nothing
 # enforces were refused, some ran over it (an OVER record here).
-def test_budget_only_programs_stay_within_the_budget():
-    seeds = list(range(9000, 9024))
-    results = program_fuzz.run_seeds(seeds, jobs=1, env={"PROGRAM_FUZZ_BUDGET_ONLY": "1"})
+def run_without_bugs(seeds: list[int], env: dict[str, str]) -> list[dict]:
+    """The seeds' records in one worker under `env` (a fuzzer mode); none of them a bug."""
+    results = program_fuzz.run_seeds(seeds, jobs=1, env=env)
     assert [r["seed"] for r in results] == seeds
     bugs = [describe(r) for r in results if r["status"] in program_fuzz.BUGS]
     assert not bugs, "\n".join(bugs)
-    assert sum(r["status"] == "ok" for r in results) >= len(seeds) // 2
+    return results
+
+
+def test_budget_only_programs_stay_within_the_budget():
+    results = run_without_bugs(list(range(9000, 9024)), {"PROGRAM_FUZZ_BUDGET_ONLY": "1"})
+    assert sum(r["status"] == "ok" for r in results) >= len(results) // 2
 
 
 # Reused plans replayed as CUDA graphs (`--graphs`, emulated on the CPU: execute/graphs.h): each
 # program four times uncapped, the third run on in captured pieces with plain nodes between, every run
 # equal to eager. (200 seeds from 1000 ran clean with 104,256 nodes replayed, in the run that added it.)
 def test_programs_replayed_as_graphs_equal_eager_every_run():
-    seeds = list(range(1000, 1012))
-    results = program_fuzz.run_seeds(seeds, jobs=1, env={"PROGRAM_FUZZ_GRAPHS": "1"})
-    assert [r["seed"] for r in results] == seeds
-    bugs = [describe(r) for r in results if r["status"] in program_fuzz.BUGS]
-    assert not bugs, "\n".join(bugs)
+    results = run_without_bugs(list(range(1000, 1012)), {"PROGRAM_FUZZ_GRAPHS": "1"})
     assert all(r["status"] == "ok" for r in results)
     assert sum(r["graph_nodes"] for r in results) > 1000  # the graphs did replay
 

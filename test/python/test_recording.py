@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
+import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -40,30 +43,36 @@ def test_meta_inference_is_cached():
     assert s["meta_cache_misses"] <= 1
 
 
-def test_a_structured_op_unseen_by_the_meta_cache_runs_no_python_meta_kernel():
-    """torch registers Python meta kernels (torch._refs, torch._decomp) over the C++ ones of
-    structured ops; meta inference runs the C++ one, eager's own meta function (about 200 us a call
-    less, and no torch._dynamo import on the first). Its errors are eager's."""
-    import sys
-
-    x = torch.randn(7, 5, device="lazymem")
-    w = torch.randn(5, 3, device="lazymem")
-    torch_lazymem._C._clear_meta_cache()
-    python_meta: list[str] = []
+@contextlib.contextmanager
+def python_meta_calls() -> Iterator[list[str]]:
+    """The Python functions of torch's meta kernels (torch._refs, _meta_registrations, _prims,
+    _decomp) called inside the block, watched with sys.setprofile."""
+    calls: list[str] = []
 
     def profile(frame, event, arg):
         if event == "call":
             path = frame.f_code.co_filename.replace("\\", "/")
             if any(part in path for part in ("torch/_refs", "torch/_meta_registrations", "torch/_prims", "torch/_decomp")):
-                python_meta.append(f"{path}:{frame.f_code.co_name}")
+                calls.append(f"{path}:{frame.f_code.co_name}")
 
-    torch_lazymem.reset_stats()
     sys.setprofile(profile)
     try:
-        y = (x * 1.5 + x).mm(w).sum(dim=1)
-        torch.addcmul(x, x, x, value=0.5).lerp_(x, 0.25)
+        yield calls
     finally:
         sys.setprofile(None)
+
+
+def test_a_structured_op_unseen_by_the_meta_cache_runs_no_python_meta_kernel():
+    """torch registers Python meta kernels (torch._refs, torch._decomp) over the C++ ones of
+    structured ops; meta inference runs the C++ one, eager's own meta function (about 200 us a call
+    less, and no torch._dynamo import on the first). Its errors are eager's."""
+    x = torch.randn(7, 5, device="lazymem")
+    w = torch.randn(5, 3, device="lazymem")
+    torch_lazymem._C._clear_meta_cache()
+    torch_lazymem.reset_stats()
+    with python_meta_calls() as python_meta:
+        y = (x * 1.5 + x).mm(w).sum(dim=1)
+        torch.addcmul(x, x, x, value=0.5).lerp_(x, 0.25)
     assert torch_lazymem.stats()["meta_cache_misses"] >= 5
     assert python_meta == []
     assert y.shape == (7,)
@@ -83,24 +92,13 @@ def test_layer_norm_records_without_python_and_as_the_backing_kernel_returns(dty
     torch._dynamo: 1.9 s in a model's first step); lazymem's C++ meta function (record/native_meta.h)
     gives the backing kernel's outputs — on the CPU, a bfloat16 input's mean and rstd in bfloat16, as
     eager's — and eager's errors."""
-    import sys
-
     x = torch.randn(6, 4, 8, dtype=dtype)
     w, b = torch.randn(8, dtype=dtype), torch.randn(8, dtype=dtype)
     lx, lw, lb = (t.to("lazymem").requires_grad_() for t in (x, w, b))
     torch_lazymem._C._clear_meta_cache()
-    python_meta: list[str] = []
-
-    def profile(frame, event, arg):
-        if event == "call" and any(p in frame.f_code.co_filename.replace("\\", "/") for p in ("torch/_refs", "torch/_meta_registrations", "torch/_decomp")):
-            python_meta.append(frame.f_code.co_name)
-
-    sys.setprofile(profile)
-    try:
+    with python_meta_calls() as python_meta:
         out, mean, rstd = torch.native_layer_norm(lx, (8,), lw, lb, 1e-5)
         grads = torch.autograd.grad(out.sum(), (lx, lw, lb))
-    finally:
-        sys.setprofile(None)
     assert python_meta == []
     want = torch.native_layer_norm(x, (8,), w, b, 1e-5)
     for got, ref in zip((out, mean, rstd), want):
@@ -122,27 +120,14 @@ def test_relu_and_the_fused_encoder_layer_record_and_plan_without_python_meta_ke
     """Their only meta kernels were Python references: relu's imported torch._dynamo and the fused
     encoder layer's (inference fast path) imported sympy, in a first step and in the planner's meta
     probes (record/native_meta.h). Eager's values, and eager's error for a boolean relu."""
-    import sys
-
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).eval()
     x = torch.randn(3, 5, 16)
     lazy = copy.deepcopy(layer).to("lazymem")
     torch_lazymem._C._clear_meta_cache()
-    python_meta: list[str] = []
-
-    def profile(frame, event, arg):
-        if event == "call" and any(p in frame.f_code.co_filename.replace("\\", "/") for p in ("torch/_refs", "torch/_meta_registrations", "torch/_decomp")):
-            python_meta.append(frame.f_code.co_name)
-
-    sys.setprofile(profile)
-    try:
-        with torch.no_grad():
-            y = lazy(x.to("lazymem"))
-            r = torch.relu(y)
-            r.cpu()  # planned and run (the planner's meta probes included)
-    finally:
-        sys.setprofile(None)
+    with python_meta_calls() as python_meta, torch.no_grad():
+        r = torch.relu(lazy(x.to("lazymem")))
+        r.cpu()  # planned and run (the planner's meta probes included)
     assert python_meta == []
     with torch.no_grad():
         assert_bitwise(r, torch.relu(layer(x)))
