@@ -104,6 +104,10 @@ def test_a_step_near_the_budget_is_pipelined_where_its_batches_repeat():
     worker runs the batches that repeat that step (the same ops on the same shapes at the same point)
     or an earlier batch (a reused plan: the chain's batches are all alike): eager's values, within
     the budget."""
+    # Batches of 64 ops (the fixture restores the default): ~30 hand-offs in the long step, not ~3 of
+    # 1,024. With 3, 2 of 6 full-suite runs in stop 44 saw none run on the worker (cause not found;
+    # never alone, nor beside three busy loops).
+    torch_lazymem._C._set_pipeline_batch(64)
     a = torch.randn(256, 256)
     with simulated_device("1MB"):
         chain(a.to(LAZY), 600).cpu()  # 256 KiB values: the peak is over half the budget
