@@ -108,6 +108,11 @@ def test_a_step_near_the_budget_is_pipelined_where_its_batches_repeat():
     # 1,024. With 3, 2 of 6 full-suite runs in stop 44 saw none run on the worker (cause not found;
     # never alone, nor beside three busy loops).
     torch_lazymem._C._set_pipeline_batch(64)
+    # Plans stored by earlier tests of the worker out of the way (turning the cache off empties it):
+    # in the full suite this test failed even with small batches, as if a batch reused a plan another
+    # test stored (under other held memory, stop 44) and was given back. Open: see the stop 44 note.
+    torch_lazymem._C._set_plan_cache(False)
+    torch_lazymem._C._set_plan_cache(True)
     a = torch.randn(256, 256)
     with simulated_device("1MB"):
         chain(a.to(LAZY), 600).cpu()  # 256 KiB values: the peak is over half the budget
