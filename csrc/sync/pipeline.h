@@ -75,6 +75,9 @@ class Pipeline {
     if (!repeats || armed <= 0 || armed > allowed) return budget / 2;
     return std::max(budget / 2, std::min(allowed, armed + budget / 32));
   }
+  bool armed() const {
+    return armed_.load(std::memory_order_relaxed);
+  }
   void disarm() {
     armed_.store(false, std::memory_order_relaxed);
   }

@@ -383,6 +383,21 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   return false;
 }
 
+// A read or synchronize on a recording thread that finds nothing pending after the worker was handed
+// batches: the worker ran the whole step. It ends the step as a read that ran the tail would, so
+// the next step's batches are compared with this one's nodes from its start (not with a step that
+// went on across reads, which no later step repeats: its batches would keep to half the budget).
+void end_step_run_by_worker(const Segment& empty) {
+  Pipeline& p = Pipeline::get();
+  if (!p.handed_since_read()) return;
+  const bool fits = p.armed(); // a batch given back or out of memory left nodes pending and disarmed
+  const Pipeline::Peaks step = p.note_step(empty, /*ends_step=*/true, fits, {});
+  stats().peak_bytes.store(step.measured, std::memory_order_relaxed);
+  p.read_ran();
+  const int64_t budget = memory_budget();
+  p.rearm(fits, step.planned, plan_target(budget), whole_plan_target(budget));
+}
+
 } // namespace
 
 bool in_flush_on_this_thread() {
@@ -390,7 +405,8 @@ bool in_flush_on_this_thread() {
 }
 
 void sync(const SyncRequest& req) {
-  if (req.upto == 0) return;
+  // Nothing to run; but a read or synchronize after the worker ran a whole step ends the step.
+  if (req.upto == 0 && (req.background || t_in_flush || !Pipeline::get().handed_since_read())) return;
   LAZYMEM_CHECK(!t_in_flush, "a lazymem value was needed while lazymem was already materializing on "
                 "this thread (for example from a kernel or a hook run during replay); this is not supported");
   // The allocator's cap the pipeline held for its worker is the user's again after a synchronous run
@@ -408,7 +424,10 @@ void sync(const SyncRequest& req) {
   }
   for (int attempt = 0;; ++attempt) {
     Segment seg = Program::get().take_prefix(req.upto, req.live);
-    if (seg.nodes.empty()) return;
+    if (seg.nodes.empty()) {
+      if (attempt == 0 && !req.background) end_step_run_by_worker(seg);
+      return;
+    }
     const bool again = run_segment(seg, req, attempt);
     Program::get().recycle_tape(std::move(seg.tape));
     if (!again) return;
@@ -442,7 +461,8 @@ void materialize(const std::vector<LazyBuffer*>& bufs) {
   // that a step ends at its read and the worker's batches (counted from here) repeat step after
   // step, their plans the plan cache's (the values are then not the plan's to compute: its
   // fingerprint names none, and it is reused).
-  const bool rest = !pending && Pipeline::get().handed_since_read() && Program::get().pending_count() > 0;
+  // (With nothing pending, the worker ran the step: the read still ends it, see end_step_run_by_worker.)
+  const bool rest = !pending && Pipeline::get().handed_since_read();
   if (pending || rest) {
     sync(SyncRequest{pending ? bufs : std::vector<LazyBuffer*>{}, Program::get().last_seq(), /*keep_pending=*/true,
                      /*background=*/false, /*read=*/true});

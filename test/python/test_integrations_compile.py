@@ -7,6 +7,8 @@ chunks on a simulated device) equals eager in float64."""
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -195,11 +197,22 @@ def test_graph_routing():
 
 def test_disabled_integrations_leave_inductor_alone():
     """With the integrations off the default backend is Inductor's as in torch: it has no code
-    generation for lazymem and fails naming the device."""
-    integrations.disable()
-    f = torch.compile(lambda x: x * 2 + 1)
-    with pytest.raises(Exception, match="lazymem"):
-        f(torch.ones(3, dtype=D, device=LZ))
-    integrations.enable()
-    torch._dynamo.reset()
-    assert torch.equal(f(torch.ones(3, dtype=D, device=LZ)).cpu(), torch.full((3,), 3.0, dtype=D))
+    generation for lazymem and fails naming the device. In a fresh process: Inductor's failure leaves
+    torch._dynamo's PEP 523 frame evaluator installed, and with it CPython 3.11 keeps a call's
+    arguments alive until the call returns (a tensor passed to a function and rebound there is no
+    longer freed), which changed the memory of later tests in the worker."""
+    code = """
+import pytest, torch, torch_lazymem
+from torch_lazymem import integrations
+D, LZ = torch.float64, "lazymem"
+integrations.disable()
+f = torch.compile(lambda x: x * 2 + 1)
+with pytest.raises(Exception, match="lazymem"):
+    f(torch.ones(3, dtype=D, device=LZ))
+integrations.enable()
+torch._dynamo.reset()
+assert torch.equal(f(torch.ones(3, dtype=D, device=LZ)).cpu(), torch.full((3,), 3.0, dtype=D))
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
