@@ -74,6 +74,77 @@ void layer_norm_backward(torch::jit::Stack& stack) {
   stack.emplace_back(like(mask[2], bias));
 }
 
+// native_batch_norm and its backward on the CPU backing, as batch_norm_cpu allocates: the output
+// (and grad_input) empty_like the input in its suggested memory format; the saved statistics (and the
+// parameters' gradients) 1-D in the parameters' type: the input's, float for a reduced-precision
+// input with float parameters; the saved statistics are empty in evaluation. Only for well-formed
+// calls (1-D parameters of the channels' count, of one type the CPU kernel accepts, the statistics
+// each mode reads): anything else takes torch's Python kernel and its checks. (Its Python reference
+// cost the BatchNorm CNN's first step tens of milliseconds.)
+// empty_like(t, t.suggest_memory_format()) without the Meta key's empty_like (a Python reference).
+at::Tensor empty_in_format(const at::Tensor& t) {
+  return at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()).device(c10::kMeta).memory_format(t.suggest_memory_format()));
+}
+
+struct BatchNormParams {
+  at::ScalarType dtype; // of the statistics and the parameters' gradients
+  int64_t channels;
+};
+std::optional<BatchNormParams> batch_norm_params(const at::Tensor& input, std::initializer_list<at::Tensor> params) {
+  if (!backing_device().is_cpu() || input.dim() < 2) return std::nullopt;
+  const int64_t channels = input.size(1);
+  std::optional<at::ScalarType> type;
+  for (const at::Tensor& p : params) {
+    if (!p.defined()) continue;
+    if (p.dim() != 1 || p.size(0) != channels || (type && *type != p.scalar_type())) return std::nullopt;
+    type = p.scalar_type();
+  }
+  const at::ScalarType in = input.scalar_type();
+  if (!at::isFloatingType(in)) return std::nullopt;
+  const bool reduced = in == at::kBFloat16 || in == at::kHalf;
+  if (type && *type != in && !(reduced && *type == at::kFloat)) return std::nullopt;
+  return BatchNormParams{type.value_or(in), channels};
+}
+
+bool batch_norm(torch::jit::Stack& stack) {
+  const at::Tensor input = stack[0].toTensor();
+  const at::Tensor weight = optional_tensor(stack[1]), bias = optional_tensor(stack[2]);
+  const at::Tensor running_mean = optional_tensor(stack[3]), running_var = optional_tensor(stack[4]);
+  const bool train = stack[5].toBool();
+  if (!train && (!running_mean.defined() || !running_var.defined())) return false;
+  const std::optional<BatchNormParams> p = batch_norm_params(input, {weight, bias, running_mean, running_var});
+  if (!p) return false;
+  const int64_t stat = train ? p->channels : 0;
+  at::Tensor out = empty_in_format(input);
+  stack.clear();
+  stack.emplace_back(std::move(out));
+  stack.emplace_back(empty({stat}, p->dtype));
+  stack.emplace_back(empty({stat}, p->dtype));
+  return true;
+}
+
+bool batch_norm_backward(torch::jit::Stack& stack) {
+  const at::Tensor grad_out = stack[0].toTensor(), input = stack[1].toTensor();
+  const at::Tensor weight = optional_tensor(stack[2]);
+  const at::Tensor running_mean = optional_tensor(stack[3]), running_var = optional_tensor(stack[4]);
+  const at::Tensor save_mean = optional_tensor(stack[5]), save_invstd = optional_tensor(stack[6]);
+  const bool train = stack[7].toBool();
+  const auto mask = stack[9].to<std::array<bool, 3>>();
+  if (grad_out.sizes() != input.sizes() || grad_out.scalar_type() != input.scalar_type()) return false;
+  if (train ? !save_mean.defined() || !save_invstd.defined() : !running_mean.defined() || !running_var.defined()) {
+    return false;
+  }
+  const std::optional<BatchNormParams> p =
+      batch_norm_params(input, {weight, running_mean, running_var, save_mean, save_invstd});
+  if (!p) return false;
+  at::Tensor grad_input = mask[0] ? empty_in_format(input) : at::Tensor();
+  stack.clear();
+  stack.emplace_back(std::move(grad_input));
+  stack.emplace_back(mask[1] ? empty({p->channels}, p->dtype) : at::Tensor());
+  stack.emplace_back(mask[2] ? empty({p->channels}, p->dtype) : at::Tensor());
+  return true;
+}
+
 // relu and relu_: eager's kernels check the dtype, then run clamp_min(self, 0) (clamp_min_): a
 // structured op, whose C++ meta kernel gives exactly eager's result layout.
 void relu(torch::jit::Stack& stack, bool in_place) {
@@ -121,6 +192,8 @@ bool native_meta(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
     return true;
   }
   if (name.name == "aten::_transformer_encoder_layer_fwd") return transformer_encoder_layer(stack);
+  if (name.name == "aten::native_batch_norm") return batch_norm(stack);
+  if (name.name == "aten::native_batch_norm_backward") return batch_norm_backward(stack);
   if (name.name == "aten::relu" || name.name == "aten::relu_") {
     relu(stack, name.name == "aten::relu_");
     return true;

@@ -135,6 +135,55 @@ def test_relu_and_the_fused_encoder_layer_record_and_plan_without_python_meta_ke
         torch.relu(torch.tensor([True]).to("lazymem"))
 
 
+BN_CASES = [  # input dtype, parameters' dtype (None: no affine parameters), shape, channels-last
+    (torch.float32, torch.float32, (6, 3, 4, 5), False),
+    (torch.float32, torch.float32, (6, 3, 4, 5), True),
+    (torch.float64, None, (6, 3, 7), False),
+    (torch.bfloat16, torch.bfloat16, (6, 3), False),
+    (torch.bfloat16, torch.float32, (6, 3, 4, 5), True),  # mixed: float statistics
+    (torch.float16, torch.float32, (6, 3, 2, 2, 2), False),
+]
+
+
+@pytest.mark.parametrize(("dtype", "param_dtype", "shape", "channels_last"), BN_CASES)
+@pytest.mark.parametrize("train", [True, False])
+def test_batch_norm_records_without_python_and_as_the_backing_kernel_returns(dtype, param_dtype, shape, channels_last, train):
+    """native_batch_norm and its backward get C++ meta functions on the CPU backing (their only meta
+    kernel was torch's Python decomposition, tens of milliseconds in a CNN's first step): every output
+    has the dtype, shape and strides of the CPU kernel's (the saved statistics empty in evaluation,
+    float beside a reduced-precision input with float parameters), and eager's values."""
+    if torch_lazymem.backing_device().type != "cpu":
+        pytest.skip("the CPU kernel's layout (a CUDA backing keeps torch's meta kernel)")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g).to(dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    c = shape[1]
+    pd = param_dtype or dtype
+    w, b = (None, None) if param_dtype is None else (torch.randn(c, generator=g).to(pd), torch.randn(c, generator=g).to(pd))
+    rm, rv = torch.randn(c, generator=g).to(pd), torch.rand(c, generator=g).to(pd) + 0.5
+    go = torch.randn(*shape, generator=g).to(dtype)
+    lazy = [None if t is None else t.to("lazymem") for t in (x, w, b, rm, rv, go)]
+    torch_lazymem._C._clear_meta_cache()
+    with python_meta_calls() as python_meta:
+        out = torch.ops.aten.native_batch_norm(*lazy[:5], train, 0.1, 1e-5)
+        grads = torch.ops.aten.native_batch_norm_backward(
+            lazy[5], lazy[0], lazy[1], lazy[3], lazy[4], out[1] if train else None, out[2] if train else None,
+            train, 1e-5, [True, param_dtype is not None, param_dtype is not None])
+        got = [t.cpu() if t is not None else None for t in (*out, *grads, lazy[3], lazy[4])]
+    assert python_meta == []
+    ref_out = torch.ops.aten.native_batch_norm(x, w, b, rm, rv, train, 0.1, 1e-5)
+    ref_grads = torch.ops.aten.native_batch_norm_backward(
+        go, x, w, rm, rv, ref_out[1] if train else None, ref_out[2] if train else None, train, 1e-5,
+        [True, param_dtype is not None, param_dtype is not None])
+    for lz, r, ref in zip((*out, *grads, lazy[3], lazy[4]), got, (*ref_out, *ref_grads, rm, rv)):
+        assert (lz is None) == (ref is None)
+        if ref is None:
+            continue
+        assert (lz.dtype, lz.shape, lz.stride()) == (ref.dtype, ref.shape, ref.stride())
+        assert torch.equal(r, ref)
+
+
 def test_float_arguments_key_by_value_only_where_they_shape_outputs():
     x = torch.randn(2, 3, 4, 4, device="lazymem")
     x.mul(1.5)
