@@ -176,6 +176,37 @@ bool transformer_encoder_layer(torch::jit::Stack& stack) {
   return true;
 }
 
+// The CPU flash attention (scaled_dot_product_attention's CPU kernel) and its backward: torch's
+// Python meta kernels, whose empty_like reference imported sympy on the first call (0.8-1 s, in an
+// attention model's first step). The same outputs for dense 4-D inputs: the attention empty_like
+// the query, the log-sum-exp (batch, heads, query length) of its computation type laid out as
+// (batch, length, heads); the gradients laid out (batch, length, heads, head size). Anything else
+// takes the Python kernels.
+bool flash_attention_cpu(torch::jit::Stack& stack) {
+  const at::Tensor query = stack[0].toTensor();
+  if (query.dim() != 4 || !query.is_non_overlapping_and_dense()) return false;
+  const at::ScalarType q = query.scalar_type();
+  const at::ScalarType lse_type = q == at::kHalf || q == at::kBFloat16 ? at::kFloat : q;
+  at::Tensor attention = at::detail::empty_strided_meta(query.sizes(), query.strides(), q);
+  at::Tensor lse = empty({query.size(0), query.size(2), query.size(1)}, lse_type).transpose(1, 2);
+  stack.clear();
+  stack.emplace_back(std::move(attention));
+  stack.emplace_back(std::move(lse));
+  return true;
+}
+
+bool flash_attention_cpu_backward(torch::jit::Stack& stack) {
+  std::array<at::Tensor, 3> grads;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor t = stack[1 + i].toTensor(); // query, key, value
+    if (t.dim() != 4) return false;
+    grads[i] = empty({t.size(0), t.size(2), t.size(1), t.size(3)}, t.scalar_type()).permute({0, 2, 1, 3});
+  }
+  stack.clear();
+  for (at::Tensor& g : grads) stack.emplace_back(std::move(g));
+  return true;
+}
+
 } // namespace
 
 bool native_meta(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
@@ -193,6 +224,10 @@ bool native_meta(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
   }
   if (name.name == "aten::_transformer_encoder_layer_fwd") return transformer_encoder_layer(stack);
   if (name.name == "aten::native_batch_norm") return batch_norm(stack);
+  if (name.name == "aten::_scaled_dot_product_flash_attention_for_cpu") return flash_attention_cpu(stack);
+  if (name.name == "aten::_scaled_dot_product_flash_attention_for_cpu_backward") {
+    return flash_attention_cpu_backward(stack);
+  }
   if (name.name == "aten::native_batch_norm_backward") return batch_norm_backward(stack);
   if (name.name == "aten::relu" || name.name == "aten::relu_") {
     relu(stack, name.name == "aten::relu_");

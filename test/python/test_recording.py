@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import assert_bitwise
 
 import torch_lazymem
@@ -182,6 +183,36 @@ def test_batch_norm_records_without_python_and_as_the_backing_kernel_returns(dty
             continue
         assert (lz.dtype, lz.shape, lz.stride()) == (ref.dtype, ref.shape, ref.stride())
         assert torch.equal(r, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "heads-last"])
+def test_cpu_flash_attention_records_without_python_meta_kernels(dtype, layout):
+    """scaled_dot_product_attention's CPU kernel and its backward get C++ meta functions: torch's
+    Python ones built the attention with the empty_like reference, whose first call imported sympy
+    (0.8 s in an attention model's first step). Eager's values, gradients and layouts."""
+    if torch_lazymem.backing_device().type != "cpu":
+        pytest.skip("the CPU flash kernel")
+    g = torch.Generator().manual_seed(0)
+    b, h, n, e = 2, 3, 5, 8
+    if layout == "contiguous":
+        q, k, v = (torch.randn(b, h, n, e, generator=g).to(dtype) for _ in range(3))
+    else:  # (batch, length, heads, head size) transposed, as attention modules make them
+        q, k, v = (torch.randn(b, n, h, e, generator=g).to(dtype).transpose(1, 2) for _ in range(3))
+    go = torch.randn(b, h, n, e, generator=g).to(dtype)
+    lazy = [t.to("lazymem").requires_grad_() for t in (q, k, v)]
+    torch_lazymem._C._clear_meta_cache()
+    with python_meta_calls() as python_meta:
+        out = F.scaled_dot_product_attention(*lazy, is_causal=True)
+        out.backward(go.to("lazymem"))
+        got = [out.cpu()] + [t.grad.cpu() for t in lazy]
+    assert python_meta == []
+    refs = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*refs, is_causal=True)
+    ref.backward(go)
+    for lz, r, want in zip([out] + [t.grad for t in lazy], got, [ref] + [t.grad for t in refs]):
+        assert (lz.dtype, lz.shape, lz.stride()) == (want.dtype, want.shape, want.stride())
+        assert torch.equal(r, want)
 
 
 def test_float_arguments_key_by_value_only_where_they_shape_outputs():
