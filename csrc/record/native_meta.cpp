@@ -223,7 +223,8 @@ bool native_meta(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
     return true;
   }
   if (name.name == "aten::_transformer_encoder_layer_fwd") return transformer_encoder_layer(stack);
-  if (name.name == "aten::native_batch_norm") return batch_norm(stack);
+  // (_native_batch_norm_legit: the same CPU kernel and arguments, with running statistics.)
+  if (name.name == "aten::native_batch_norm" || name.name == "aten::_native_batch_norm_legit") return batch_norm(stack);
   if (name.name == "aten::_scaled_dot_product_flash_attention_for_cpu") return flash_attention_cpu(stack);
   if (name.name == "aten::_scaled_dot_product_flash_attention_for_cpu_backward") {
     return flash_attention_cpu_backward(stack);

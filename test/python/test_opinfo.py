@@ -88,11 +88,6 @@ IMPORTANT = [
 
 # Known failures, from running the whole op_db (tools/opinfo_report.py): op -> why. Strict xfails.
 XFAIL_CPU = {
-    "_native_batch_norm_legit": (
-        "eval mode (training=False): the CPU kernel returns save_mean/save_invstd empty, shape (0,), but "
-        "torch's Python meta kernel gives them shape (C,) (native_batch_norm has lazymem's C++ meta function, "
-        "record/native_meta.h; this op not yet)"
-    ),
     "to_sparse": (
         "sparse tensors are not supported on lazymem: x.to_sparse() on a lazymem tensor raises "
         "'NotImplementedError: Cannot access storage of SparseTensorImpl' (not lazymem's own clear message)"
@@ -116,7 +111,7 @@ NONDETERMINISTIC_CPU = {
 # rejects the sparse sample); jiterator ops are CUDA-only JIT kernels that guard on their input's
 # device.
 XFAIL_CUDA = {
-    **{k: v for k, v in XFAIL_CPU.items() if k not in ("_native_batch_norm_legit", "sparse.mm.reduce")},
+    **{k: v for k, v in XFAIL_CPU.items() if k not in ("sparse.mm.reduce",)},
     "jiterator_binary_return_by_ref": "jiterator kernels are CUDA JIT kernels that refuse a lazymem input",
     "nn.functional.scaled_dot_product_attention": (
         "samples with dropout: eager CUDA's fused kernels draw their dropout inside (a philox seed and offset "

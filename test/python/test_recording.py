@@ -148,7 +148,8 @@ BN_CASES = [  # input dtype, parameters' dtype (None: no affine parameters), sha
 
 @pytest.mark.parametrize(("dtype", "param_dtype", "shape", "channels_last"), BN_CASES)
 @pytest.mark.parametrize("train", [True, False])
-def test_batch_norm_records_without_python_and_as_the_backing_kernel_returns(dtype, param_dtype, shape, channels_last, train):
+@pytest.mark.parametrize("op", ["native_batch_norm", "_native_batch_norm_legit"])
+def test_batch_norm_records_without_python_and_as_the_backing_kernel_returns(dtype, param_dtype, shape, channels_last, train, op):
     """native_batch_norm and its backward get C++ meta functions on the CPU backing (their only meta
     kernel was torch's Python decomposition, tens of milliseconds in a CNN's first step): every output
     has the dtype, shape and strides of the CPU kernel's (the saved statistics empty in evaluation,
@@ -167,13 +168,13 @@ def test_batch_norm_records_without_python_and_as_the_backing_kernel_returns(dty
     lazy = [None if t is None else t.to("lazymem") for t in (x, w, b, rm, rv, go)]
     torch_lazymem._C._clear_meta_cache()
     with python_meta_calls() as python_meta:
-        out = torch.ops.aten.native_batch_norm(*lazy[:5], train, 0.1, 1e-5)
+        out = getattr(torch.ops.aten, op)(*lazy[:5], train, 0.1, 1e-5)
         grads = torch.ops.aten.native_batch_norm_backward(
             lazy[5], lazy[0], lazy[1], lazy[3], lazy[4], out[1] if train else None, out[2] if train else None,
             train, 1e-5, [True, param_dtype is not None, param_dtype is not None])
         got = [t.cpu() if t is not None else None for t in (*out, *grads, lazy[3], lazy[4])]
     assert python_meta == []
-    ref_out = torch.ops.aten.native_batch_norm(x, w, b, rm, rv, train, 0.1, 1e-5)
+    ref_out = getattr(torch.ops.aten, op)(x, w, b, rm, rv, train, 0.1, 1e-5)
     ref_grads = torch.ops.aten.native_batch_norm_backward(
         go, x, w, rm, rv, ref_out[1] if train else None, ref_out[2] if train else None, train, 1e-5,
         [True, param_dtype is not None, param_dtype is not None])
