@@ -2,7 +2,6 @@
 #include "ops/meta_probe.h"
 
 #include <atomic>
-
 #include <cstring>
 #include <mutex>
 #include <unordered_map>

@@ -74,18 +74,20 @@ void layer_norm_backward(torch::jit::Stack& stack) {
   stack.emplace_back(like(mask[2], bias));
 }
 
-// native_batch_norm and its backward on the CPU backing, as batch_norm_cpu allocates: the output
-// (and grad_input) empty_like the input in its suggested memory format; the saved statistics (and the
-// parameters' gradients) 1-D in the parameters' type: the input's, float for a reduced-precision
-// input with float parameters; the saved statistics are empty in evaluation. Only for well-formed
-// calls (1-D parameters of the channels' count, of one type the CPU kernel accepts, the statistics
-// each mode reads): anything else takes torch's Python kernel and its checks. (Its Python reference
-// cost the BatchNorm CNN's first step tens of milliseconds.)
 // empty_like(t, t.suggest_memory_format()) without the Meta key's empty_like (a Python reference).
 at::Tensor empty_in_format(const at::Tensor& t) {
-  return at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()).device(c10::kMeta).memory_format(t.suggest_memory_format()));
+  const auto options = at::TensorOptions().dtype(t.scalar_type()).device(c10::kMeta);
+  return at::empty(t.sizes(), options.memory_format(t.suggest_memory_format()));
 }
 
+// native_batch_norm (and _native_batch_norm_legit: the same CPU kernel and arguments) and its
+// backward on the CPU backing, as batch_norm_cpu allocates: the output (and grad_input) empty_like
+// the input in its suggested memory format; the saved statistics (and the parameters' gradients) 1-D
+// in the parameters' type: the input's, float for a reduced-precision input with float parameters;
+// the saved statistics are empty in evaluation. Only for well-formed calls (1-D parameters of the
+// channels' count, of one type the CPU kernel accepts, the statistics each mode reads): anything
+// else takes torch's Python kernel and its checks. (Its Python decomposition cost the BatchNorm CNN's
+// first step tens of milliseconds.)
 struct BatchNormParams {
   at::ScalarType dtype; // of the statistics and the parameters' gradients
   int64_t channels;
@@ -223,13 +225,12 @@ bool native_meta(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
     return true;
   }
   if (name.name == "aten::_transformer_encoder_layer_fwd") return transformer_encoder_layer(stack);
-  // (_native_batch_norm_legit: the same CPU kernel and arguments, with running statistics.)
   if (name.name == "aten::native_batch_norm" || name.name == "aten::_native_batch_norm_legit") return batch_norm(stack);
+  if (name.name == "aten::native_batch_norm_backward") return batch_norm_backward(stack);
   if (name.name == "aten::_scaled_dot_product_flash_attention_for_cpu") return flash_attention_cpu(stack);
   if (name.name == "aten::_scaled_dot_product_flash_attention_for_cpu_backward") {
     return flash_attention_cpu_backward(stack);
   }
-  if (name.name == "aten::native_batch_norm_backward") return batch_norm_backward(stack);
   if (name.name == "aten::relu" || name.name == "aten::relu_") {
     relu(stack, name.name == "aten::relu_");
     return true;

@@ -131,11 +131,13 @@ def test_a_read_that_finds_the_step_run_by_the_worker_ends_the_step():
     x = torch.arange(8.0)
     chain(x.to(LAZY), 100).cpu()  # arms
     y, ref = x.to(LAZY), x
-    while True:  # until the worker has run every node recorded (8 of them: one batch)
+    for _ in range(64):  # until the worker has run every node recorded (8 of them: one batch)
         y, ref = y * 1.0001, ref * 1.0001
         torch_lazymem._C._pipeline_drain()
         if torch_lazymem.stats()["pending_nodes"] == 0:
             break
+    else:
+        pytest.fail("the worker never ran everything recorded")
     assert torch.equal(y.cpu(), ref)
     a = torch.randn(256, 256)
     with simulated_device("1MB"):
