@@ -64,8 +64,14 @@ class Emitter {
 
   void run() {
     apply_mutations();
-    std::vector<c10::IValue> outs;
-    outs.reserve(meta_.rets.size());
+    // One allocation each for the node's defs and uses (most ops have one result, one or two
+    // operands), and the results on the stack until the arguments are dropped.
+    size_t new_outs = 0;
+    for (const RetSpec& rs : meta_.rets) {
+      for (const OutSpec& o : rs.items) new_outs += o.kind == OutSpec::kNew;
+    }
+    node_->defs.reserve(new_outs);
+    c10::SmallVector<c10::IValue, 2> outs;
     for (size_t j = 0; j < meta_.rets.size(); ++j) {
       const RetSpec& rs = meta_.rets[j];
       if (rs.is_list) {
@@ -107,7 +113,11 @@ class Emitter {
         return rs.optional && !rs.is_list ? c10::IValue() : c10::IValue(at::Tensor());
       case OutSpec::kNew: {
         at::Tensor t = make_lazy_tensor(o.nbytes, o.meta);
-        node_->defs.push_back(Def{ret, elem, TensorRef{buffer_ptr(buffer_of(t)), o.meta, 0}});
+        Def& d = node_->defs.emplace_back();
+        d.ret = ret;
+        d.elem = elem;
+        d.ref.buf = buffer_ptr(buffer_of(t));
+        d.ref.meta = o.meta;
         return t;
       }
       case OutSpec::kView:
@@ -128,18 +138,21 @@ class Emitter {
       const c10::IValue& v = call_.arg(i);
       n.args.push_back(v.isList() ? c10::IValue(v.toList().copy()) : v);
     }
+    size_t lazy = 0;
+    for (const TensorArg& ta : call_.tensors) lazy += ta.kind == TensorArg::kLazy;
+    n.uses.reserve(lazy);
     for (const TensorArg& ta : call_.tensors) {
       switch (ta.kind) {
         case TensorArg::kLazy: {
           // The node holds the buffer, never the tensor: dropping the tensor must make it dead.
           set_slot(n.args, ta, c10::IValue(at::Tensor()));
-          Use u;
+          Use& u = n.uses.emplace_back();
           u.arg = ta.arg;
           u.elem = ta.elem;
-          u.ref = TensorRef{buffer_ptr(buffer_of(ta.t)), TensorMeta::of(*ta.t.unsafeGetTensorImpl()), 0};
+          u.ref.buf = buffer_ptr(buffer_of(ta.t));
+          u.ref.meta = TensorMeta::of(*ta.t.unsafeGetTensorImpl());
           u.write = ta.write != 0;
           u.write_only = ta.write == 2 || (ta.write && rules.overwrites_self && ta.arg == 0);
-          n.uses.push_back(std::move(u));
           break;
         }
         case TensorArg::kCpuScalar:
