@@ -52,6 +52,7 @@ def test_fixed_seed_runs_exactly_within_the_cap(fixed_results, seed):
     assert r["status"] != "oom" or r["cause"] != "other", describe(r)
 
 
+@pytest.mark.xdist_group("fixed_seeds")  # the same worker, so the fixture's 120 seeds run once
 def test_most_fixed_seeds_finish(fixed_results):
     assert sorted(fixed_results) == FIXED_SEEDS  # one record per seed
     ok = [s for s, r in fixed_results.items() if r["status"] == "ok"]
