@@ -127,12 +127,32 @@ uint64_t code_of(const void* p) {
   return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p));
 }
 
+// What an entry holds, in words: its key, its encoded plan's codes, its synthesized nodes' references,
+// its buffers' numbering, and an allowance per planned node (the plan body, the nodes' sketches).
+size_t weight_of(const Template& t) {
+  size_t planned = 0;
+  for (const Stage& st : t.plan.stages) planned += st.nodes.size();
+  return t.fp.key.size() + t.codes.size() + t.owned_refs.size() + t.fp.buffers.size() + t.fp.base.size() / 2 +
+      16 * (planned + t.owned.size());
+}
+
+// Every plan of a step stays: a pipelined step hands its worker batches that are programs of their
+// own (the first ones growing from 8 ops, then at the pipeline's batch size), and a large model's
+// step spans many of them. With room for 8 a step of more batches evicted each plan before the next
+// step could reuse it, and every batch was planned anew every step.
 struct Cache {
   std::mutex mu;
   std::list<Template> entries; // most recently used first
   uint64_t next_id = 0;
-  static constexpr size_t kCapacity = 8;
+  size_t weight = 0;           // of the entries (weight_of)
+  static constexpr size_t kMaxEntries = 256;
+  static constexpr size_t kMaxWeight = size_t{4} << 20; // words: about 32 MiB
 };
+
+void erase_entry(Cache& c, std::list<Template>::iterator it) {
+  c.weight -= weight_of(*it);
+  c.entries.erase(it);
+}
 
 Cache& cache() {
   static Cache* c = new Cache();
@@ -232,8 +252,11 @@ void remember_plan(const PlanInput& in, Fingerprint&& fp, Plan& plan) {
   t.id = ++c.next_id;
   plan.template_id = t.id;
   t.plan.template_id = t.id;
+  c.weight += weight_of(t);
   c.entries.push_front(std::move(t));
-  if (c.entries.size() > Cache::kCapacity) c.entries.pop_back();
+  while (c.entries.size() > 1 && (c.entries.size() > Cache::kMaxEntries || c.weight > Cache::kMaxWeight)) {
+    erase_entry(c, std::prev(c.entries.end()));
+  }
 }
 
 std::optional<Plan> reuse_plan(const PlanInput& in, const Fingerprint& fp) {
@@ -406,7 +429,7 @@ void forget_plan(uint64_t template_id) {
   std::lock_guard<std::mutex> lock(c.mu);
   for (auto it = c.entries.begin(); it != c.entries.end(); ++it) {
     if (it->id == template_id) {
-      c.entries.erase(it);
+      erase_entry(c, it);
       return;
     }
   }
@@ -416,6 +439,7 @@ void clear_plan_cache() {
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mu);
   c.entries.clear();
+  c.weight = 0;
 }
 
 size_t plan_cache_size() {

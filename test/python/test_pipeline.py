@@ -121,6 +121,49 @@ def test_a_step_near_the_budget_is_pipelined_where_its_batches_repeat():
     assert torch.equal(out, chain(a, 2000))
 
 
+def test_a_step_of_more_batches_than_the_plan_cache_held_reuses_every_plan():
+    """Each batch a step hands the worker is a program of its own, planned once and then reused
+    step after step. A step of more distinct batches than the plan cache held (8 plans: here the
+    ramp's 8, 16 and 32 ops, twelve 64-op batches on twelve shapes and the read's tail) evicted each
+    plan before the next step could reuse it, and every batch was planned anew every step (on the
+    CPU, 10,000 tiny ops pipelined spent 35-60 ms of each step planning; unpipelined, 0.5 ms)."""
+    torch_lazymem._C._set_pipeline_batch(64)  # batches of 8, 16, 32, then 64 after a read
+    x = torch.randn(12, 16)
+
+    def mul(t: torch.Tensor) -> torch.Tensor:
+        # The worker idle before every op: each batch is handed at its last op, with the tensors
+        # alive then (a batch the worker is too busy to take is handed at a later op, when fewer of
+        # its values are alive: another live-out set, another plan).
+        torch_lazymem._C._pipeline_drain()
+        return t * 1.0001
+
+    def step(xl: torch.Tensor) -> torch.Tensor:
+        y = xl
+        for _ in range(56):  # the ramp: 8 + 16 + 32 ops
+            y = mul(y)
+        outs = []
+        for k in range(12):  # one 64-op batch per shape: twelve programs
+            z = y[: k + 1]
+            for _ in range(64):
+                z = mul(z)
+            outs.append(z)
+        torch_lazymem._C._pipeline_drain()
+        return torch.cat([o.sum(0) for o in outs])
+
+    ref = step(x)
+    xl = x.to(LAZY)
+    step(xl).cpu()  # arms the pipeline
+    for _ in range(2):  # every batch planned once
+        assert torch.equal(step(xl).cpu(), ref)
+    before = torch_lazymem.stats()
+    for _ in range(2):
+        assert torch.equal(step(xl).cpu(), ref)
+    after = torch_lazymem.stats()
+    ran = after["materializations"] - before["materializations"]
+    assert after["pipelined_flushes"] - before["pipelined_flushes"] >= 2 * 15  # the batches ran on the worker
+    assert after["plans_reused"] - before["plans_reused"] == ran, (ran, after["plans_reused"] - before["plans_reused"])
+
+
 def test_a_read_that_finds_the_step_run_by_the_worker_ends_the_step():
     """A read whose step the worker ran to its last node finds nothing pending: it still ends the
     step, so the next steps' batches are compared with a step that starts at a read. (It did not:
