@@ -141,16 +141,21 @@ BAD_SIZES = [
 def test_every_byte_argument_is_validated_the_same_way(value, error, message):
     from torch_lazymem.testing import memory_cap
 
-    budget = torch_lazymem.memory_budget()
-    with pytest.raises(error, match=f"lazymem: the memory budget .*{message}|lazymem: .*{message}"):
-        torch_lazymem.set_memory_budget(value)
-    with pytest.raises(error, match=f"lazymem: .*{message}"):
-        torch_lazymem.set_flush_threshold(bytes=value)
-    with pytest.raises(error, match=f"lazymem: .*{message}"), simulated_device(value):
-        pass
-    with pytest.raises(error, match=f"lazymem: .*{message}"), memory_cap(value):
-        pass
-    assert torch_lazymem.memory_budget() == budget
+    # A budget set here: the default follows the machine's free memory, which the other test worker
+    # moves between two reads (it failed once so, by 3 MB).
+    torch_lazymem.set_memory_budget("1GiB")
+    try:
+        with pytest.raises(error, match=f"lazymem: the memory budget .*{message}|lazymem: .*{message}"):
+            torch_lazymem.set_memory_budget(value)
+        with pytest.raises(error, match=f"lazymem: .*{message}"):
+            torch_lazymem.set_flush_threshold(bytes=value)
+        with pytest.raises(error, match=f"lazymem: .*{message}"), simulated_device(value):
+            pass
+        with pytest.raises(error, match=f"lazymem: .*{message}"), memory_cap(value):
+            pass
+        assert torch_lazymem.memory_budget() == 1 << 30
+    finally:
+        torch_lazymem.set_memory_budget(None)
 
 
 def test_byte_arguments_that_are_right():
