@@ -235,6 +235,7 @@ std::shared_ptr<const MetaResult> run_meta(Call& call) {
       o.value = v;
       rs.items.push_back(std::move(o));
     }
+    for (const OutSpec& o : rs.items) result->new_outs += o.kind == OutSpec::kNew;
   }
   for (size_t i = 0; i < call.tensors.size(); ++i) {
     if (!call.tensors[i].write || !mirrors[i].defined()) continue;

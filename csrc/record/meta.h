@@ -42,6 +42,7 @@ struct Mutation {
 struct MetaResult {
   std::vector<RetSpec> rets;
   std::vector<Mutation> mutations;
+  size_t new_outs = 0; // items of kind kNew (a node's defs)
   // Unique per result ever made (never reused): nodes recorded from a cached result share it, and
   // equal ids mean equal call keys — the op, its arguments and operand geometry (Node::sig).
   uint64_t id = 0;

@@ -66,11 +66,7 @@ class Emitter {
     apply_mutations();
     // One allocation each for the node's defs and uses (most ops have one result, one or two
     // operands), and the results on the stack until the arguments are dropped.
-    size_t new_outs = 0;
-    for (const RetSpec& rs : meta_.rets) {
-      for (const OutSpec& o : rs.items) new_outs += o.kind == OutSpec::kNew;
-    }
-    node_->defs.reserve(new_outs);
+    node_->defs.reserve(meta_.new_outs);
     c10::SmallVector<c10::IValue, 2> outs;
     for (size_t j = 0; j < meta_.rets.size(); ++j) {
       const RetSpec& rs = meta_.rets[j];
