@@ -14,8 +14,12 @@ namespace {
 std::once_flag g_backing_once;
 std::atomic<int> g_backing_type{static_cast<int>(c10::DeviceType::CPU)};
 std::atomic<int> g_backing_index{-1}; // CPU tensors carry index -1; CUDA gets a real index
+// Set once the default is chosen: backing_device() is asked ~16 times per replayed op, and
+// std::call_once sets two thread-locals on every call (__tls_get_addr in a shared library).
+std::atomic<bool> g_backing_chosen{false};
 
 void choose_default_backing() {
+  if (g_backing_chosen.load(std::memory_order_acquire)) return;
   std::call_once(g_backing_once, [] {
     // CUDA only through the device-generic context query: no CUDA headers, same build everywhere.
     bool cuda = false;
@@ -29,6 +33,7 @@ void choose_default_backing() {
       g_backing_type = static_cast<int>(c10::DeviceType::CUDA);
       g_backing_index = 0;
     }
+    g_backing_chosen.store(true, std::memory_order_release);
   });
 }
 

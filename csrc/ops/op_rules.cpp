@@ -113,6 +113,9 @@ OpRules compute(const c10::OperatorHandle& op) {
   r.effect_only = !tensor_return && !r.any_write && !r.eager;
   r.collective = name.rfind("lazymem::c10d_", 0) == 0;
   r.float_values_shape_free = op.hasTag(at::Tag::pointwise) || name.rfind("aten::_foreach_", 0) == 0;
+  r.casts_wrapped_number = schema.overload_name() == "Tensor" &&
+      (name == "aten::add" || name == "aten::add_" || name == "aten::sub" || name == "aten::sub_" ||
+       name == "aten::mul" || name == "aten::mul_" || name == "aten::div" || name == "aten::div_");
   r.placeholder_outputs = name == "aten::native_batch_norm" || name == "aten::_native_batch_norm_legit" ||
       name == "aten::_native_batch_norm_legit_no_training";
   r.structured = op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional);

@@ -34,6 +34,10 @@ struct OpRules {
   // Floating-point arguments cannot change the output metadata (pointwise ops, _foreach_ ops): the
   // meta cache keys them by type only, so AdamW's per-step scalars do not miss every step.
   bool float_values_shape_free = false;
+  // add, sub, mul, div (Tensor overloads, in place or not): TensorIterator on the CPU converts a
+  // wrapped Python number to the tensor's float dtype on every call (Tensor.to, an allocation and a
+  // copy); the recorder hands the kernel the number already converted (recorder.cpp).
+  bool casts_wrapped_number = false;
   // Some outputs are placeholders whose shape differs between meta inference and the CPU kernel
   // (native_batch_norm's saved statistics in eval mode): tolerated, values left uninitialized.
   bool placeholder_outputs = false;

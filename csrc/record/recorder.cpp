@@ -1,6 +1,9 @@
 // record: the boxed fallback and node construction.
 #include "record/recorder.h"
 
+#include <array>
+#include <cstring>
+
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_lazy_clone.h>
 #include <ATen/ops/clone.h>
@@ -49,6 +52,36 @@ void set_slot(std::vector<c10::IValue>& args, const TensorArg& ta, c10::IValue v
   } else {
     args[ta.arg].toList().set(ta.elem, std::move(v));
   }
+}
+
+// A wrapped Python number converted to `dtype` as TensorIterator would convert it on the CPU at every
+// call of the op (compute_types: Tensor.to, an allocation and a copy; 6,000 instructions per
+// `y * 1.0001`, nearly a third of such an op's replay): converted once here, cached per thread by
+// value. Still a wrapped number, so type promotion and every kernel see what they saw. Only float32
+// and float64: a reduced-precision kernel reads the number's original value (original_scalar_value),
+// which the conversion would round first.
+at::Tensor converted_number(const at::Tensor& number, at::ScalarType dtype) {
+  const at::ScalarType from = number.scalar_type();
+  if (from == dtype || (from != at::kDouble && from != at::kLong) || (dtype != at::kFloat && dtype != at::kDouble) ||
+      !backing_device().is_cpu()) {
+    return number;
+  }
+  int64_t bits = 0;
+  std::memcpy(&bits, number.const_data_ptr(), sizeof(bits));
+  struct Entry {
+    int64_t bits = 0;
+    at::ScalarType from = at::kDouble, to = at::kDouble;
+    at::Tensor t;
+  };
+  thread_local std::array<Entry, 64> cache;
+  Entry& e = cache[(static_cast<uint64_t>(bits) * 0x9E3779B97F4A7C15ULL >> 58) ^ (dtype == at::kFloat)];
+  if (!e.t.defined() || e.bits != bits || e.from != from || e.to != dtype) {
+    c10::impl::ExcludeDispatchKeyGuard guard(kAboveBackendKeys);
+    at::Tensor t = number.to(dtype);
+    t.unsafeGetTensorImpl()->set_wrapped_number(true);
+    e = Entry{bits, from, dtype, std::move(t)};
+  }
+  return e.t;
 }
 
 at::Tensor view_of(const at::Tensor& base, const TensorMeta& meta) {
@@ -152,7 +185,15 @@ class Emitter {
           break;
         }
         case TensorArg::kCpuScalar:
-          if (!ta.t.unsafeGetTensorImpl()->is_wrapped_number()) set_slot(n.args, ta, snapshot(ta.t));
+          if (!ta.t.unsafeGetTensorImpl()->is_wrapped_number()) {
+            set_slot(n.args, ta, snapshot(ta.t));
+          } else if (rules.casts_wrapped_number && ta.elem < 0 && ta.arg < 2) {
+            for (const TensorArg& o : call_.tensors) {
+              if (o.kind == TensorArg::kLazy && o.arg == 1 - ta.arg && o.elem < 0) {
+                set_slot(n.args, ta, converted_number(ta.t, o.t.scalar_type()));
+              }
+            }
+          }
           break;
         case TensorArg::kConstant:
           set_slot(n.args, ta, snapshot(ta.t));

@@ -358,3 +358,65 @@ def test_program_introspection():
     info = torch_lazymem.buffer_info(x)
     assert info["has_real"] and info["real_version"] == 1 and info["pending_writer"] == 0
     torch_lazymem._C._verify()
+
+
+_NUMBERS = [1.0001, 0.5, -0.0, 0.0, 3, -7, 2**40 + 1, 1e300, -1e-310, 1 / 3, float("inf"), float("nan")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32])
+def test_python_numbers_in_arithmetic_give_eagers_bits(dtype):
+    # add, sub, mul and div with a Python number: the recorder hands the CPU kernel the number already
+    # converted to a float tensor's dtype (TensorIterator would convert it on every call); values must
+    # be eager's, rounding, overflow, signed zeros and NaN included, and untouched for other dtypes.
+    x = (torch.randn(257, dtype=torch.float64) * 5).to(dtype)
+
+    def chain(y: torch.Tensor) -> list[torch.Tensor]:
+        outs = []
+        for v in _NUMBERS:
+            if dtype == torch.int32 and isinstance(v, float):
+                continue
+            outs += [y * v, v * y, y + v, v + y, y - v, v - y, y.add(v, alpha=2), y.sub(v, alpha=3)]
+            if dtype.is_floating_point:
+                outs += [y / v, y.div(v)]
+                z = y.clone()
+                z.mul_(v).add_(v).sub_(v).div_(v)
+                outs.append(z)
+        return outs
+
+    expected = chain(x)
+    got = chain(x.to("lazymem"))
+    for e, g in zip(expected, got, strict=True):
+        assert_bitwise(g, e)
+
+
+def test_many_distinct_numbers_and_both_float_dtypes_in_one_program():
+    # More distinct numbers than the per-thread conversion cache holds, float32 and float64 operands
+    # alternating, so entries are replaced while nodes still hold the ones they took.
+    a, b = torch.randn(64), torch.randn(64, dtype=torch.float64)
+    la, lb = a.to("lazymem"), b.to("lazymem")
+    for i in range(300):
+        v = 1.0 + i / 7.0
+        a, b = a * v + i, b * v - i
+        la, lb = la * v + i, lb * v - i
+        a, la = a / 1.5, la / 1.5
+    assert_bitwise(la, a)
+    assert_bitwise(lb, b)
+
+
+def test_replaying_arithmetic_with_a_python_number_converts_it_once():
+    y0 = torch.randn(1024, device="lazymem")
+    torch.lazymem.synchronize()
+    y = y0
+    for _ in range(50):
+        y = y * 1.0001 + 0.5
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.lazymem.synchronize()
+        torch.ones(3).to(torch.float64)  # the profiler sees conversions: this one
+    names = [e.name for e in prof.events()]
+    # (Replay's kernels are redispatched, unseen; what they call is seen: eager's loop, and the replay
+    # before the recorder converted the numbers, made 100 conversions, one per op.)
+    assert names.count("aten::_to_copy") == 1
+    e = y0.cpu()
+    for _ in range(50):
+        e = e * 1.0001 + 0.5
+    assert_bitwise(y, e)
