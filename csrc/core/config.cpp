@@ -33,6 +33,7 @@ std::map<std::string, int64_t> Stats::snapshot() const {
       {"peak_bytes", ld(peak_bytes)},
       {"auto_flushes", ld(auto_flushes)},
       {"pipeline_handed", ld(pipeline_handed)},
+      {"pipeline_handed_late", ld(pipeline_handed_late)},
       {"pipelined_flushes", ld(pipelined_flushes)},
       {"pipeline_given_back", ld(pipeline_given_back)},
       {"pipeline_worker_ns", ld(pipeline_worker_ns)},
@@ -88,6 +89,7 @@ void Stats::reset() {
   peak_bytes = 0;
   auto_flushes = 0;
   pipeline_handed = 0;
+  pipeline_handed_late = 0;
   pipelined_flushes = 0;
   pipeline_given_back = 0;
   pipeline_worker_ns = 0;

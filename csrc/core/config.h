@@ -25,6 +25,7 @@ struct Stats {
   std::atomic<int64_t> peak_bytes{0};        // peak device bytes during the last materialization (pipelined: the step's, batches and read)
   std::atomic<uint64_t> auto_flushes{0};
   std::atomic<uint64_t> pipeline_handed{0};   // batches handed to the pipeline's worker
+  std::atomic<uint64_t> pipeline_handed_late{0}; // of them, handed after their last op (the worker was busy)
   std::atomic<uint64_t> pipelined_flushes{0}; // batches the pipeline's worker ran while recording went on
   std::atomic<uint64_t> pipeline_given_back{0}; // batches it left to the recording thread (split, new and near the budget)
   std::atomic<uint64_t> pipeline_worker_ns{0};  // the worker's time planning and running batches

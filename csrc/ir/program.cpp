@@ -172,10 +172,10 @@ namespace {
 std::atomic<uint64_t> g_epochs{0};
 } // namespace
 
-uint64_t Program::stamp_live_locked(uint64_t upto) {
-  const uint64_t epoch = g_epochs.fetch_add(1, std::memory_order_relaxed) + 1;
+template <class Mark>
+void Program::visit_live_locked(uint64_t upto, Mark&& mark) {
   auto note_alive = [&](LazyBuffer* b) {
-    if (b->storage_alive.load(std::memory_order_acquire)) b->live_epoch = epoch;
+    if (b->storage_alive.load(std::memory_order_acquire)) mark(b);
   };
   for (const auto& n : pending_) {
     if (n->seq <= upto) {
@@ -185,18 +185,33 @@ uint64_t Program::stamp_live_locked(uint64_t upto) {
     }
     for (const auto& u : n->uses) {
       // A pending full overwrite does not need the old value; anything else does.
-      if (!(u.write_only && u.covered_nbytes && u.covered_nbytes == u.ref.buf->nbytes.load())) {
-        u.ref.buf->live_epoch = epoch;
-      }
+      if (!(u.write_only && u.covered_nbytes && u.covered_nbytes == u.ref.buf->nbytes.load())) mark(u.ref.buf.get());
     }
   }
+}
+
+uint64_t Program::stamp_live_locked(uint64_t upto) {
+  const uint64_t epoch = g_epochs.fetch_add(1, std::memory_order_relaxed) + 1;
+  visit_live_locked(upto, [&](LazyBuffer* b) { b->live_epoch = epoch; });
   return epoch;
 }
 
-Program::LiveSnapshot Program::snapshot_live(uint64_t upto, const std::unique_lock<std::mutex>& flush) {
+Program::LiveSnapshot Program::snapshot_live(uint64_t upto, const std::unique_lock<std::mutex>& flush,
+                                             const std::vector<BufferPtr>* also) {
   LAZYMEM_INTERNAL_ASSERT(flush.owns_lock(), "a live-out snapshot needs the flush lock");
   std::lock_guard<std::mutex> lock(mu_);
-  return LiveSnapshot{upto, stamp_live_locked(upto), takes_};
+  LiveSnapshot snap{upto, stamp_live_locked(upto), takes_};
+  if (also) {
+    for (const BufferPtr& b : *also) b->live_epoch = snap.epoch;
+  }
+  return snap;
+}
+
+std::vector<BufferPtr> Program::live_now(uint64_t upto) {
+  std::vector<BufferPtr> live;
+  std::lock_guard<std::mutex> lock(mu_);
+  visit_live_locked(upto, [&](LazyBuffer* b) { live.emplace_back(BufferPtr::reclaim_copy(b)); });
+  return live;
 }
 
 Segment Program::take_prefix(uint64_t upto, const LiveSnapshot* live) {

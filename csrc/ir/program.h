@@ -81,7 +81,12 @@ class Program {
   };
   // `flush`: the flush lock, held (no segment is between its take and the end of its planning, whose
   // live-out set is the same per-buffer stamp).
-  LiveSnapshot snapshot_live(uint64_t upto, const std::unique_lock<std::mutex>& flush);
+  // `also`: buffers to stamp as well (the pipeline's batch handed after its last op: its live-out set
+  // as it was at that op, live_now, so its plan is the one a batch handed on time gets).
+  LiveSnapshot snapshot_live(uint64_t upto, const std::unique_lock<std::mutex>& flush,
+                             const std::vector<BufferPtr>* also = nullptr);
+  // The buffers the live-out stamp of the pending nodes with seq <= upto would mark now.
+  std::vector<BufferPtr> live_now(uint64_t upto);
   // Detaches pending nodes with seq <= upto (all of them if upto is past the end), with the live-out
   // set of `live` when it is still valid (see snapshot_live).
   Segment take_prefix(uint64_t upto, const LiveSnapshot* live = nullptr);
@@ -109,6 +114,8 @@ class Program {
   uint64_t takes_ = 0; // take_prefix calls
   // Stamps the live-out set of the pending nodes with seq <= upto with a fresh epoch (returned).
   uint64_t stamp_live_locked(uint64_t upto);
+  template <class Mark>
+  void visit_live_locked(uint64_t upto, Mark&& mark);
   uint64_t next_seq_ = 1;
   std::atomic<uint64_t> pending_bytes_{0};
   std::atomic<size_t> pending_size_{0};

@@ -237,6 +237,7 @@ PYBIND11_MODULE(_C, m) {
     return on > 0 || (on < 0 && !backing_device().is_cpu());
   });
   m.def("_pipeline_drain", drain_pipeline);
+  m.def("_pipeline_hold", pipeline_hold);
   m.def("_set_cuda_graphs", [](bool on) {
     config().cuda_graphs = on;
     if (!on) {

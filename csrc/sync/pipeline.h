@@ -93,10 +93,16 @@ class Pipeline {
     // so a step's batches are the same every step.
     const size_t batch = std::min(batch_size(dev), kFirstBatch << std::min<size_t>(handed_count_.load(std::memory_order_relaxed), 20));
     if (p.pending_count() < batch) return;
-    if (handed_.load(std::memory_order_relaxed)) return; // the worker has a batch: no lock per record
+    if (handed_.load(std::memory_order_relaxed)) { // the worker has a batch: no lock per record
+      note_due(p, batch);
+      return;
+    }
     {
       std::lock_guard<std::mutex> lk(mu_);
-      if (busy_ || upto_) return;
+      if (busy_ || upto_) {
+        note_due_locked(p, batch);
+        return;
+      }
       // Not while another thread materializes: the live-out stamp below would overwrite the one of
       // the segment it has taken and not yet planned (Segment::epoch: one stamp per buffer), so its
       // plan would free values still held (a recording thread's chain, read back as "no data"), and
@@ -113,7 +119,14 @@ class Pipeline {
       // Batches of a fixed size from the last materialization on: the same batches step after step,
       // so their plans are the plan cache's.
       upto_ = p.seq_at(batch - 1);
-      live_ = p.snapshot_live(upto_, flush);
+      // A batch handed after its last op (the worker was busy then) keeps the live-out set it had
+      // at that op as well: values the user dropped since are still its outputs, as in a step where
+      // it was handed on time, so its fingerprint and plan are that step's (they were planned anew:
+      // on the CPU, one steady step in three).
+      live_ = p.snapshot_live(upto_, flush, due_.upto == upto_ ? &due_.live : nullptr);
+      if (due_.upto == upto_) stats().pipeline_handed_late.fetch_add(1, std::memory_order_relaxed);
+      due_ = Due{};
+      due_noted_.store(false, std::memory_order_relaxed);
       live_.resident = device_bytes_held(); // (the worker is idle: none of it is a run's)
       live_.offset = handed_nodes_.fetch_add(batch, std::memory_order_relaxed);
       stats().pipeline_handed.fetch_add(1, std::memory_order_relaxed);
@@ -141,6 +154,15 @@ class Pipeline {
     if (!cap_state_.compare_exchange_strong(expected, kCapChanging)) return;
     restore_allocator(std::exchange(cap_restore_, 0.0));
     cap_state_.store(kCapNone);
+  }
+
+  // Tests (sync.h pipeline_hold): while held, the worker stays busy after running its batch.
+  void hold(bool held) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      held_ = held;
+    }
+    cv_.notify_all();
   }
 
   // Waits until the worker is idle (the process exits; tests).
@@ -177,6 +199,11 @@ class Pipeline {
     return handed_since_read_.load(std::memory_order_relaxed);
   }
   void read_ran() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      due_ = Due{}; // (its nodes ran: the buffers it held go)
+      due_noted_.store(false, std::memory_order_relaxed);
+    }
     handed_since_read_.store(false, std::memory_order_relaxed);
     handed_count_.store(0, std::memory_order_relaxed);
     handed_nodes_.store(0, std::memory_order_relaxed);
@@ -218,6 +245,19 @@ class Pipeline {
   }
 
  private:
+  // At a batch's last op, when the worker is still busy: what its live-out set is now, for the
+  // hand-off (once per batch).
+  void note_due(Program& p, size_t batch) {
+    if (due_noted_.load(std::memory_order_relaxed)) return;
+    std::lock_guard<std::mutex> lk(mu_);
+    note_due_locked(p, batch);
+  }
+  void note_due_locked(Program& p, size_t batch) {
+    if (due_noted_.exchange(true, std::memory_order_relaxed)) return;
+    due_.upto = p.seq_at(batch - 1);
+    due_.live = p.live_now(due_.upto);
+  }
+
   void loop() {
     std::unique_lock<std::mutex> lk(mu_);
     for (;;) {
@@ -249,6 +289,7 @@ class Pipeline {
           std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count(),
           std::memory_order_relaxed);
       lk.lock();
+      cv_.wait(lk, [&] { return !held_; }); // (tests: still busy after its run)
       if (err && !error_) error_ = err;
       busy_ = false;
       upto_ = 0;
@@ -277,8 +318,15 @@ class Pipeline {
   std::condition_variable cv_, idle_;
   uint64_t upto_ = 0;
   Program::LiveSnapshot live_; // the batch's live-out set at the hand-off
+  struct Due {
+    uint64_t upto = 0;           // the batch's last node
+    std::vector<BufferPtr> live; // its live-out set at that node's record
+  };
+  Due due_;                           // (mu_) the batch the worker was too busy to take at its last op
+  std::atomic<bool> due_noted_{false}; // due_ is this batch's: set once per batch
   std::optional<c10::Stream> stream_; // the recording thread's current stream at the hand-off
   bool busy_ = false;
+  bool held_ = false; // (tests) hold: busy until let go
   std::exception_ptr error_;
   std::thread worker_;
 };

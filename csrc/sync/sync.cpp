@@ -482,6 +482,10 @@ void pipeline_drain() {
   Pipeline::get().drain();
 }
 
+void pipeline_hold(bool held) {
+  Pipeline::get().hold(held);
+}
+
 void maybe_auto_flush() {
   Pipeline::get().maybe_hand_off();
   const Config& c = config();

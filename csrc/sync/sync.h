@@ -50,6 +50,9 @@ std::unique_lock<std::mutex> try_lock_flush();
 void maybe_auto_flush();
 // Waits until the pipeline's worker has run what it was handed (exit; tests).
 void pipeline_drain();
+// Tests: while held, the worker stays busy after running the batch it was handed (a batch's last op
+// then finds it busy). Never drain while held.
+void pipeline_hold(bool held);
 // The last materialization's plan as text, with its measured peak (torch_lazymem.explain).
 std::string last_plan();
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -162,6 +163,64 @@ def test_a_step_of_more_batches_than_the_plan_cache_held_reuses_every_plan():
     ran = after["materializations"] - before["materializations"]
     assert after["pipelined_flushes"] - before["pipelined_flushes"] >= 2 * 15  # the batches ran on the worker
     assert after["plans_reused"] - before["plans_reused"] == ran, (ran, after["plans_reused"] - before["plans_reused"])
+
+
+def test_a_batch_handed_after_its_last_op_reuses_the_plan_of_one_handed_on_time():
+    """A batch the worker is too busy to take at its last op is handed at a later op, when some of its
+    values may have died (the user dropped them). Its live-out set is still the one it had at its last
+    op, so its plan is the one the same batch got when handed on time (it was planned anew: another
+    live-out set, another fingerprint; on the CPU one steady step in three)."""
+    torch_lazymem._C._set_pipeline_batch(64)  # batches of 8, 16, 32 ... after a read
+    x = torch.randn(16)
+
+    def step(xl: torch.Tensor, late: bool) -> torch.Tensor:
+        y = xl
+        for i in range(8):  # batch 1, handed at its 8th op
+            if i == 7 and late:
+                torch_lazymem._C._pipeline_hold(True)  # the worker stays busy after batch 1
+            elif not late:
+                torch_lazymem._C._pipeline_drain()
+            y = y * 1.0001
+        keep = None
+        try:
+            if late:  # until the worker has taken batch 1 (batches count from the first pending node)
+                for _ in range(10_000):
+                    if torch_lazymem.stats()["pending_nodes"] == 0:
+                        break
+                    time.sleep(0.001)
+                else:
+                    pytest.fail("the worker never took its batch")
+            for i in range(16):  # batch 2, due at its 16th op
+                if not late:
+                    torch_lazymem._C._pipeline_drain()
+                y = y * 1.0001
+                if i == 7:
+                    keep = y  # alive at batch 2's last op, read by nothing later
+            del keep  # the user drops a value of batch 2 before it is handed
+        finally:
+            torch_lazymem._C._pipeline_hold(False)
+        torch_lazymem._C._pipeline_drain()
+        y = y * 1.0001  # late: batch 2 handed here, after its last op
+        torch_lazymem._C._pipeline_drain()
+        for _ in range(20):
+            y = y * 1.0001
+        return y.cpu()
+
+    xl = x.to(LAZY)
+    step(xl, late=False)  # arms the pipeline
+    for _ in range(2):  # plans every batch of an on-time step
+        step(xl, late=False)
+    before = torch_lazymem.stats()
+    out = step(xl, late=True)
+    after = torch_lazymem.stats()
+    assert after["pipeline_handed_late"] - before["pipeline_handed_late"] == 1
+    ran = after["materializations"] - before["materializations"]
+    assert after["pipelined_flushes"] - before["pipelined_flushes"] == 2
+    assert after["plans_reused"] - before["plans_reused"] == ran, (ran, after["plans_reused"] - before["plans_reused"])
+    expected = x
+    for _ in range(45):
+        expected = expected * 1.0001
+    assert torch.equal(out, expected)
 
 
 def test_a_read_that_finds_the_step_run_by_the_worker_ends_the_step():
