@@ -30,9 +30,9 @@ def stats() -> dict[str, int]:
     """Counters since the last reset_stats(): ops_recorded, ops_eager, views, meta_cache_hits,
     meta_cache_misses, materializations, nodes_executed, nodes_eliminated, peak_bytes (device bytes
     at the peak of the last materialization; pipelined, of the step so far: the worker's batches since
-    the last read, and that read), auto_flushes, pipeline_handed, pipelined_flushes,
-    pipeline_given_back (the pipeline's batches: handed to its worker, run there, left to the next
-    read); plus the current pending_nodes and more (splits, chunks, plan cache, host memory)."""
+    the last read, and that read), auto_flushes, pipeline_handed, pipeline_handed_late,
+    pipelined_flushes, pipeline_given_back (the pipeline's batches: handed to its worker, of them
+    handed after their last op, run there, left to the next read); plus the current pending_nodes and more (splits, chunks, plan cache, host memory)."""
     s = dict(_C._stats())
     s["pending_nodes"] = int(_C._pending_nodes())
     return s
