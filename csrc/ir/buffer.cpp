@@ -20,6 +20,7 @@ LazyBuffer::~LazyBuffer() {
 }
 
 void LazyBuffer::set_real(c10::Storage s, bool on_host) {
+  real_impl.reset();
   if (!real && s) g_with_real.fetch_add(1, std::memory_order_relaxed);
   if (real && !s) g_with_real.fetch_sub(1, std::memory_order_relaxed);
   if (real && !real_on_host) g_resident.fetch_sub(static_cast<int64_t>(real.nbytes()), std::memory_order_relaxed);

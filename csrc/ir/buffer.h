@@ -8,6 +8,7 @@
 #include <exception>
 
 #include <c10/core/Storage.h>
+#include <c10/core/TensorImpl.h>
 #include <c10/util/intrusive_ptr.h>
 
 namespace lazymem {
@@ -39,6 +40,10 @@ struct LazyBuffer : c10::intrusive_ptr_target {
   bool real_on_host = false;     // real is in host memory (a split result larger than the budget)
   uint32_t real_version = 0;
   c10::Storage real;             // data on the backing device (or host), holding version real_version
+  // The kernel output whose storage `real` adopted, in its def's layout: reads of that layout take it
+  // instead of a new TensorImpl per read (execute/bind.cpp). Never handed to a kernel that writes it
+  // (an in-place op may change its sizes); reset whenever `real` changes (set_real).
+  c10::intrusive_ptr<c10::TensorImpl> real_impl;
   std::exception_ptr poison;     // set when the node that should have written it failed
   uint64_t exec_epoch = 0;       // the execution that last wrote its real data (see ExecOutcome)
 

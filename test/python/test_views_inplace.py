@@ -155,3 +155,32 @@ def test_writes_after_materialization_see_cached_data():
     assert_bitwise(x, a)
     # only the add ran: the source was not recomputed
     assert torch_lazymem.stats()["nodes_executed"] == 1
+
+
+@pytest.mark.parametrize("sync_between", [False, True])
+def test_in_place_metadata_ops_on_values_read_in_their_kernels_layout(sync_between):
+    # A read in the layout its kernel returned takes the kernel's own output tensor (execute/bind.cpp,
+    # LazyBuffer::real_impl); a node that writes the buffer never gets it, so an in-place op that
+    # changes sizes or strides (unsqueeze_, t_, transpose_, squeeze_, as_strided_, resize_) leaves
+    # every other read of the value in its layout.
+    def prog(x: torch.Tensor, sync) -> list[torch.Tensor]:
+        y = x * 2
+        a = y + 1  # read in the kernel's layout
+        y.unsqueeze_(0)
+        b = y * 3
+        sync()
+        c = a - 1  # the same value, its original layout
+        y.squeeze_(0).t_()
+        d = y.contiguous() + 0
+        e = a.transpose_(0, 1) * 2
+        f = (x + 0).as_strided_((2, 3), (1, 2)) * 1
+        g = x * 1
+        g.resize_(4, 6)
+        h = g.narrow(0, 0, 2) + 0  # (the rows resize_ kept)
+        return [y, a, b, c, d, e, f, h]
+
+    x = torch.randn(3, 4)
+    expected = prog(x, lambda: None)
+    got = prog(x.to("lazymem"), torch.lazymem.synchronize if sync_between else (lambda: None))
+    for g_, e_ in zip(got, expected, strict=True):
+        assert_bitwise(g_, e_)
