@@ -92,6 +92,7 @@ class Pipeline {
     // it starts at the first op): 8, 16, 32 ... nodes, up to the batch size, counted from the read,
     // so a step's batches are the same every step.
     const size_t batch = std::min(batch_size(dev), kFirstBatch << std::min<size_t>(handed_count_.load(std::memory_order_relaxed), 20));
+    Due gone; // (the late batch's noted live-out set, released outside the lock)
     if (p.pending_count() < batch) return;
     if (handed_.load(std::memory_order_relaxed)) { // the worker has a batch: no lock per record
       note_due(p, batch);
@@ -125,7 +126,7 @@ class Pipeline {
       // on the CPU, one steady step in three).
       live_ = p.snapshot_live(upto_, flush, due_.upto == upto_ ? &due_.live : nullptr);
       if (due_.upto == upto_) stats().pipeline_handed_late.fetch_add(1, std::memory_order_relaxed);
-      due_ = Due{};
+      gone = std::exchange(due_, Due{});
       due_noted_.store(false, std::memory_order_relaxed);
       live_.resident = device_bytes_held(); // (the worker is idle: none of it is a run's)
       live_.offset = handed_nodes_.fetch_add(batch, std::memory_order_relaxed);
@@ -199,9 +200,10 @@ class Pipeline {
     return handed_since_read_.load(std::memory_order_relaxed);
   }
   void read_ran() {
+    Due gone; // (its nodes ran: the buffers it held go, outside the lock)
     {
       std::lock_guard<std::mutex> lk(mu_);
-      due_ = Due{}; // (its nodes ran: the buffers it held go)
+      gone = std::exchange(due_, Due{});
       due_noted_.store(false, std::memory_order_relaxed);
     }
     handed_since_read_.store(false, std::memory_order_relaxed);
