@@ -92,12 +92,12 @@ class Pipeline {
     // it starts at the first op): 8, 16, 32 ... nodes, up to the batch size, counted from the read,
     // so a step's batches are the same every step.
     const size_t batch = std::min(batch_size(dev), kFirstBatch << std::min<size_t>(handed_count_.load(std::memory_order_relaxed), 20));
-    Due gone; // (the late batch's noted live-out set, released outside the lock)
     if (p.pending_count() < batch) return;
     if (handed_.load(std::memory_order_relaxed)) { // the worker has a batch: no lock per record
       note_due(p, batch);
       return;
     }
+    Due gone; // (a late batch's noted live-out set, released outside the lock)
     {
       std::lock_guard<std::mutex> lk(mu_);
       if (busy_ || upto_) {

@@ -420,3 +420,25 @@ def test_replaying_arithmetic_with_a_python_number_converts_it_once():
     for _ in range(50):
         e = e * 1.0001 + 0.5
     assert_bitwise(y, e)
+
+
+def test_python_numbers_in_a_split_program_equal_eager():
+    # The converted numbers go to every chunk's kernel as they go to the whole one: a program of
+    # arithmetic with Python numbers split into 3 chunks of 7 rows (the last one ragged), in float64.
+    from torch_lazymem.testing import force_chunks
+
+    x = torch.randn(7, 5, dtype=torch.float64)
+    w = torch.randn(5, 4, dtype=torch.float64)
+
+    def prog(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        h = (a * 1.0001 + 3) @ b
+        h = h / 2.5 - 7
+        h.mul_(0.3).add_(1, alpha=2)
+        return 2 * h - 0.5
+
+    expected = prog(x, w)
+    before = torch_lazymem.stats()["splits"]
+    with force_chunks(3):
+        got = prog(x.to("lazymem"), w.to("lazymem")).cpu()
+    assert torch_lazymem.stats()["splits"] > before
+    torch.testing.assert_close(got, expected)
