@@ -431,6 +431,23 @@ int64_t lazymem_device_bytes() {
   return resident_bytes() + library_bytes();
 }
 
+int64_t release_library_workspaces() {
+  const c10::Device dev = backing_device();
+  CudaBackend* backend = dev.is_cuda() ? cuda_backend() : nullptr;
+  if (backend == nullptr || library_bytes() <= 0) return 0;
+  try {
+    const int64_t before = allocated_on(dev);
+    backend->release_library_workspaces(dev.index());
+    const int64_t freed = std::max<int64_t>(0, before - allocated_on(dev));
+    int64_t lib = library_bytes();
+    while (!g_library_bytes.compare_exchange_weak(lib, std::max<int64_t>(0, lib - freed), std::memory_order_relaxed)) {
+    }
+    return freed;
+  } catch (const c10::Error&) {
+    return 0;
+  }
+}
+
 namespace {
 // The fraction that holds the process to `budget` with `others` bytes of its own (0: the user's cap
 // is the tighter one, or none can be set).

@@ -191,6 +191,11 @@ void restore_allocator(double fraction);
 // libraries keep (cuBLAS's per stream). Measured around each run on a CUDA-like device; lazymem's,
 // like its values: in its budget, its cap and its peak. 0 on the CPU.
 int64_t library_bytes();
+// Gives back the library workspaces of streams other than the current one (a side stream's, the graph
+// capture stream's: cuBLAS keeps 32 MiB per handle and stream on an H100/H200, never freed by torch)
+// when a program does not fit unsplit with them counted as held. Returns the bytes freed, taken off
+// library_bytes(); 0 on the CPU or without the CUDA backend.
+int64_t release_library_workspaces();
 // Device bytes the caching allocator has reserved on `dev` (0 on the CPU).
 int64_t reserved_on(c10::Device dev);
 // What lazymem holds on a CUDA-like backing device: its values (resident_bytes()) and library_bytes().

@@ -150,7 +150,9 @@ Plan plan_anew(const PlanInput& in) {
     }
     plan.notes.push_back("does not fit unsplit: predicted peak " + format_bytes(plan.predicted_peak) + " at " +
                          at->node->describe() + " exceeds the budget of " + format_bytes(in.budget) + ", of which " +
-                         format_bytes(in.resident) + " is held before the program runs and " + format_bytes(outlive) +
+                         format_bytes(in.resident) + " is held before the program runs" +
+                         (in.library > 0 ? " (" + format_bytes(in.library) + " of it libraries' workspaces)" : "") +
+                         " and " + format_bytes(outlive) +
                          " by new values that outlive it");
   }
   Plan split;

@@ -24,6 +24,7 @@ struct PlanInput {
   // budget leaves for a split plan's chunk-sized blocks is not needed by eager's own order.
   int64_t whole_budget = -1;
   int64_t resident = 0;                               // device bytes held before the plan runs
+  int64_t library = 0;                                // of them, libraries' workspaces (CUDA's cuBLAS)
   int64_t force_chunks = 0;                           // > 0: split every loop into this many chunks
   // The backing device is the CPU: random forms that follow the CPU's kernels are eager's there
   // (core/rng_form.h); elsewhere those run keyed by batch rows.
