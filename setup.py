@@ -85,10 +85,8 @@ EXTENSIONS = [core, module]
 
 
 def _cuda_include():
-    """The CUDA headers: the first folder with the runtime's (a toolkit's, or those of the nvidia wheel
-    torch's CUDA build depends on: nvidia/cu13, nvidia/cuda_runtime), then the wheel's other folders
-    (cuBLAS's and cuSPARSE's headers, which ATen/cuda/CUDAContextLight.h includes, may be only there);
-    None without a torch built with CUDA."""
+    """The CUDA runtime's headers: a toolkit's, or those of the nvidia wheel torch's CUDA build
+    depends on (nvidia/cu13, nvidia/cuda_runtime); None without a torch built with CUDA."""
     import torch
 
     if torch.version.cuda is None or os.environ.get("LAZYMEM_NO_CUDA_LIB"):
@@ -100,15 +98,14 @@ def _cuda_include():
     candidates += [os.path.join(site, "nvidia", "cuda_runtime", "include")]
     candidates += [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")]
     needed = ("cuda_runtime_api.h", os.path.join("crt", "host_config.h"))
-    runtime = next((c for c in candidates if all(os.path.exists(os.path.join(c, f)) for f in needed)), None)
-    return runtime and [runtime] + [c for c in candidates[:-1] if c != runtime and os.path.isdir(c)]
+    return next((c for c in candidates if all(os.path.exists(os.path.join(c, f)) for f in needed)), None)
 
 
 if _cuda_include():
     cuda_lib = CppExtension(
         CUDA_NAME,
         _sources("cuda"),
-        include_dirs=[os.path.join(ROOT, "csrc"), *_cuda_include()] + include_paths(),
+        include_dirs=[os.path.join(ROOT, "csrc"), _cuda_include()] + include_paths(),
         library_dirs=library_paths(),
         libraries=["lazymem_core", "c10_cuda", "torch_cuda", "c10", "torch_cpu", "torch"],
         extra_compile_args={"cxx": CXX_FLAGS + ["-DUSE_CUDA"]},

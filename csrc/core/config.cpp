@@ -50,7 +50,6 @@ std::map<std::string, int64_t> Stats::snapshot() const {
       {"random_stream_bytes", ld(random_stream_bytes)},
       {"oom_retries", ld(oom_retries)},
       {"allocator_caps", ld(allocator_caps)},
-      {"library_releases", ld(library_releases)},
       {"row_loops", ld(row_loops)},
       {"plan_ns", ld(plan_ns)},
       {"nodes_planned", ld(nodes_planned)},
@@ -107,7 +106,6 @@ void Stats::reset() {
   random_stream_bytes = 0;
   oom_retries = 0;
   allocator_caps = 0;
-  library_releases = 0;
   row_loops = 0;
   plan_ns = 0;
   nodes_planned = 0;

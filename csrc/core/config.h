@@ -43,7 +43,6 @@ struct Stats {
   std::atomic<uint64_t> oom_retries{0};      // plans made again after an out-of-memory error taught the model
   std::atomic<uint64_t> row_loops{0};        // loops over a tensor's own rows run (plan/rows.h)
   std::atomic<uint64_t> allocator_caps{0};   // runs the CUDA caching allocator held to the budget (execute/memory.h)
-  std::atomic<uint64_t> library_releases{0}; // plans that gave other streams' library workspaces back to fit
   std::atomic<uint64_t> plan_ns{0};          // time spent planning (make_plan), summed
   std::atomic<uint64_t> nodes_planned{0};    // nodes given to the planner, summed
   std::atomic<uint64_t> plans_reused{0};     // materializations whose plan came from the plan cache

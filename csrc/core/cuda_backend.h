@@ -29,11 +29,6 @@ class CudaBackend {
   // peak_reset, relative to what it had handed out then (every thread's allocations count).
   virtual void peak_reset(c10::DeviceIndex device) = 0;
   virtual int64_t peak_since_reset() const = 0;
-  // Frees the workspaces cuBLAS (and cuBLASLt) keep per handle and stream for every stream but the
-  // calling thread's current one on `device` (a side stream's, the capture stream's): a matmul that
-  // runs there again makes its workspace anew. The blocks go back to the caching allocator, which
-  // reuses a block only on the stream it was made for, after the work queued there before.
-  virtual void release_library_workspaces(c10::DeviceIndex device) = 0;
 };
 
 // The registered backend, or nullptr (a CPU build of torch, a CPU backing device, or a library that

@@ -5,13 +5,9 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <shared_mutex>
-#include <tuple>
 #include <vector>
 
-#include <ATen/cuda/CUDAContextLight.h>
 #include <ATen/cuda/CUDAGraph.h>
-#include <torch/version.h>
 #include <c10/core/Event.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
@@ -112,24 +108,6 @@ class Backend final : public CudaBackend {
 
   int64_t peak_since_reset() const override {
     return g_peak.load(std::memory_order_relaxed);
-  }
-
-  void release_library_workspaces(c10::DeviceIndex device) override {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 11)
-    const void* keep = c10::cuda::getCurrentCUDAStream(device).stream();
-    for (at::cuda::WorkspaceMapWithMutex* ws :
-         {&at::cuda::cublas_handle_stream_to_workspace(), &at::cuda::cublaslt_handle_stream_to_workspace()}) {
-      std::unique_lock<std::shared_mutex> lock(ws->mutex);
-      for (auto it = ws->map.begin(); it != ws->map.end();) {
-        // (the map is keyed by handle and stream; a workspace's DataPtr names its device)
-        const bool other = std::get<1>(it->first) != keep && it->second.device().index() == device;
-        it = other ? ws->map.erase(it) : std::next(it);
-      }
-    }
-#else
-    (void)device; // (torch before 2.11, which this was not built against: every workspace)
-    at::cuda::clearCublasWorkspaces();
-#endif
   }
 };
 

@@ -111,7 +111,6 @@ class Emulated final : public CudaBackend {
   void replay(void*) override {}
   void destroy(void*) noexcept override {}
   void peak_reset(c10::DeviceIndex) override {}
-  void release_library_workspaces(c10::DeviceIndex) override {}
   int64_t peak_since_reset() const override {
     return 0;
   }

@@ -424,28 +424,20 @@ int64_t reserved_on(c10::Device dev) {
 }
 
 int64_t library_bytes() {
-  return g_library_bytes.load(std::memory_order_relaxed);
+  const int64_t lib = g_library_bytes.load(std::memory_order_relaxed);
+  if (lib <= 0) return 0;
+  // Never more than what the device holds beyond lazymem's values now: workspaces freed since (the
+  // user's torch._C._cuda_clearCublasWorkspaces()) are no longer lazymem's. (Graphs' pools count in
+  // that bound: their cache's lock may be held by the caller, an execution replaying them.)
+  try {
+    return std::clamp<int64_t>(lib, 0, std::max<int64_t>(0, allocated_on(backing_device()) - resident_bytes()));
+  } catch (const c10::Error&) {
+    return lib;
+  }
 }
 
 int64_t lazymem_device_bytes() {
   return resident_bytes() + library_bytes();
-}
-
-int64_t release_library_workspaces() {
-  const c10::Device dev = backing_device();
-  CudaBackend* backend = dev.is_cuda() ? cuda_backend() : nullptr;
-  if (backend == nullptr || library_bytes() <= 0) return 0;
-  try {
-    const int64_t before = allocated_on(dev);
-    backend->release_library_workspaces(dev.index());
-    const int64_t freed = std::max<int64_t>(0, before - allocated_on(dev));
-    int64_t lib = library_bytes();
-    while (!g_library_bytes.compare_exchange_weak(lib, std::max<int64_t>(0, lib - freed), std::memory_order_relaxed)) {
-    }
-    return freed;
-  } catch (const c10::Error&) {
-    return 0;
-  }
 }
 
 namespace {

@@ -188,14 +188,13 @@ class ScopedAllocatorCap {
 double cap_allocator(int64_t budget);
 void restore_allocator(double fraction);
 // Device bytes lazymem's runs left allocated beyond its values: workspaces its kernels made and their
-// libraries keep (cuBLAS's per stream). Measured around each run on a CUDA-like device; lazymem's,
-// like its values: in its budget, its cap and its peak. 0 on the CPU.
+// libraries keep (cuBLAS's, 32 MiB per handle and stream on an H200: the recording thread's and the
+// pipeline worker's on each stream they ran on, the graph capture stream's). Measured around each run
+// on a CUDA-like device, and never more than the device holds beyond lazymem's values when asked;
+// lazymem's, like its values: in its budget, its cap and its peak. 0 on the CPU. lazymem never frees
+// them itself: a CUDA graph (the user's, or lazymem's) keeps the address of the workspace it was
+// captured with.
 int64_t library_bytes();
-// Gives back the library workspaces of streams other than the current one (a side stream's, the graph
-// capture stream's: cuBLAS keeps 32 MiB per handle and stream on an H100/H200, never freed by torch)
-// when a program does not fit unsplit with them counted as held. Returns the bytes freed, taken off
-// library_bytes(); 0 on the CPU or without the CUDA backend.
-int64_t release_library_workspaces();
 // Device bytes the caching allocator has reserved on `dev` (0 on the CPU).
 int64_t reserved_on(c10::Device dev);
 // What lazymem holds on a CUDA-like backing device: its values (resident_bytes()) and library_bytes().

@@ -151,7 +151,9 @@ Plan plan_anew(const PlanInput& in) {
     plan.notes.push_back("does not fit unsplit: predicted peak " + format_bytes(plan.predicted_peak) + " at " +
                          at->node->describe() + " exceeds the budget of " + format_bytes(in.budget) + ", of which " +
                          format_bytes(in.resident) + " is held before the program runs" +
-                         (in.library > 0 ? " (" + format_bytes(in.library) + " of it libraries' workspaces)" : "") +
+                         (in.library > 0 ? " (" + format_bytes(in.library) + " of it workspaces that CUDA libraries keep for "
+                                          "the streams lazymem ran on; torch._C._cuda_clearCublasWorkspaces() "
+                                          "frees cuBLAS's once no CUDA graph uses them)" : "") +
                          " and " + format_bytes(outlive) +
                          " by new values that outlive it");
   }

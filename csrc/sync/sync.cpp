@@ -234,12 +234,9 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   // A pipelined batch is planned with the memory held at its hand-off, like its live-out set: the
   // same every step, so its plan is reused. Only frees could have happened since (every run takes a
   // new snapshot), unless something outside a run allocated: then what is held now.
-  auto held = [&] {
-    in.resident = device_bytes_held();
-    if (seg.live_snapshot) in.resident = std::max(in.resident, req.live->resident);
-    in.library = backing_device().is_cpu() ? 0 : library_bytes();
-  };
-  held();
+  in.resident = device_bytes_held();
+  if (seg.live_snapshot) in.resident = std::max(in.resident, req.live->resident);
+  in.library = backing_device().is_cpu() ? 0 : library_bytes(); // (the out-of-memory note names them)
   const int64_t budget = memory_budget();
   in.budget = plan_target(budget);
   in.whole_budget = whole_plan_target(budget);
@@ -263,17 +260,6 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   // Kernels that allocate inside, new to the workspace model: measured on a row or two first, and
   // planned again knowing them (once per op and shapes in a process).
   for (int probes = 0; probes < 3 && probe_workspace(plan); ++probes) {
-    recycle_plan(std::move(plan));
-    plan = make_plan(in);
-  }
-  // Over the budget unsplit while other streams' library workspaces count as held (a side stream's,
-  // the graph capture stream's: 32 MiB each that torch never frees): give those back and plan again.
-  // A matmul on such a stream makes its workspace anew; a split costs every step.
-  if (!req.background && in.budget >= 0 && in.library > 0 &&
-      (plan.split || plan.predicted_peak > std::max(in.budget, in.whole_budget)) && release_library_workspaces() > 0) {
-    if (config().debug) std::fprintf(stderr, "[lazymem] gave back libraries' workspaces of other streams to fit\n");
-    stats().library_releases.fetch_add(1, std::memory_order_relaxed);
-    held();
     recycle_plan(std::move(plan));
     plan = make_plan(in);
   }
