@@ -69,9 +69,10 @@ def judge_tiny(eager: Result, lazy: Result) -> tuple[str, Result]:
 def speed_steps(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, steps: int) -> Result:
     """`steps` AdamW steps, loss.item() after each (as a user's loop reads its loss): each step's wall
     time, the time until its loss was read (lazymem: its recording), and the losses."""
-    times, records, losses = [], [], []
+    times, records, losses, starts = [], [], [], []
     for _ in range(steps):
         finish(ids.device.type)
+        starts.append(time.monotonic_ns())  # (the pipeline timeline's clock)
         t0 = time.perf_counter()
         loss, _ = lm_loss(model, ids)
         loss.backward()
@@ -82,7 +83,25 @@ def speed_steps(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
         finish(ids.device.type)
         times.append(time.perf_counter() - t0)
         records.append(t1 - t0)
-    return {"times": times, "records": records, "losses": losses}
+    return {"times": times, "records": records, "losses": losses, "starts": starts}
+
+
+def timeline(events: list[tuple[str, int, int]], start: int) -> str:
+    """A pipelined step's timeline (torch_lazymem._C._pipeline_trace), in ms from its start: h<nodes>
+    a batch handed, d<nodes> one due while the worker was busy, w the worker's runs, s a
+    materialization on the recording thread (the read: waiting for the worker, then the tail)."""
+    out, opened = [], {}
+    for kind, t, nodes in sorted(events, key=lambda e: e[1]):
+        if t < start:  # (the synchronize before the step)
+            continue
+        ms = (t - start) / 1e6
+        if kind in ("handed", "due"):
+            out.append(f"{kind[0]}{nodes} {ms:.2f}")
+        elif kind.endswith("_start"):
+            opened[kind[:-6]] = ms
+        elif kind.endswith("_end") and kind[:-4] in opened:
+            out.append(f"{kind[0]} {opened.pop(kind[:-4]):.2f}-{ms:.2f}")
+    return ", ".join(out)
 
 
 def item_speed(side: str) -> Result:
@@ -106,7 +125,14 @@ def item_speed(side: str) -> Result:
                 before = lazymem.stats()["pipelined_flushes"]
                 given_back = lazymem.stats()["pipeline_given_back"]
                 worker_ns = lazymem.stats()["pipeline_worker_ns"]
-            piped = speed_steps(model, opt, ids, 5)
+            piped = speed_steps(model, opt, ids, 4)
+            if lazymem:  # the last pipelined step's timeline
+                lazymem._C._set_pipeline_trace(True)
+            last = speed_steps(model, opt, ids, 1)
+            events = lazymem._C._pipeline_trace() if lazymem else []
+            if lazymem:
+                lazymem._C._set_pipeline_trace(False)
+            piped = {k: piped[k] + last[k] for k in piped}
             st2 = lazy_stats()
         finally:
             if lazymem:
@@ -115,6 +141,8 @@ def item_speed(side: str) -> Result:
                       "record_s": statistics.median(plain["records"][1:]),
                       "piped_step_s": statistics.median(piped["times"][1:]),
                       "piped_record_s": statistics.median(piped["records"][1:]),
+                      "timeline": timeline(events, last["starts"][0]) if events else "",
+                      "piped_last_s": last["times"][0],
                       "losses": torch.tensor(first["losses"] + plain["losses"] + piped["losses"], dtype=torch.float64),
                       "pipelined_flushes": lazymem.stats()["pipelined_flushes"] - before if lazymem else 0,
                       "given_back": lazymem.stats()["pipeline_given_back"] - given_back if lazymem else 0,
@@ -207,6 +235,7 @@ def judge_speed(eager: Result, lazy: Result) -> tuple[str, Result]:
             f"batches on the worker, {z['given_back']} given back; recording {z['piped_record_s'] * 1e3:.1f} ms, "
             f"worker busy {z['worker_s'] * 1e3:.1f} ms); CUDA graphs (unpipelined / pipelined steps): "
             f"{graphs(z['stats'])} / {graphs(z['piped_stats'])}; first step {z['first_s'] * 1e3:.0f} ms vs eager's {e['first_s'] * 1e3:.0f}; "
+            f"last pipelined step ({z['piped_last_s'] * 1e3:.1f} ms; ms from its start): {z['timeline']}; "
             + ("losses bitwise equal" if same else same_note)
             + ("; deterministic steps (1 plain, 3 pipelined) bitwise equal" if det_same
                else f"; deterministic steps raised: {det_error}" if det_error

@@ -24,7 +24,8 @@ Prints a markdown table, one row per check (ok / FAIL / skip, and its figures):
    eager's and lazymem's time per step and their ratio; the losses against eager's (eager CUDA's own
    differ run to run on some rows: the figures give that spread). The verdict: 4 more steps (1 plain,
    3 pipelined) from a fresh model under torch.use_deterministic_algorithms, losses and parameters
-   bitwise equal to eager's.
+   bitwise equal to eager's. Also the last pipelined step's timeline: when each batch was handed to
+   the worker, when the worker ran it, and when the read ran (waiting for the worker, then the tail).
 
 Eager CUDA runs in worker processes that never import torch_lazymem (importing it may break eager
 CUDA autograd in the same process: pytorch issue 161129), lazymem in others; both save their results

@@ -4,6 +4,10 @@
 #include <Python.h>
 #include <frameobject.h>
 
+#include <string>
+#include <tuple>
+#include <vector>
+
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Generator.h>
 #include <torch/extension.h>
@@ -28,6 +32,7 @@
 #include "plan/workspace.h"
 #include "record/meta.h"
 #include "record/recorder.h"
+#include "sync/pipeline_trace.h"
 #include "sync/sync.h"
 
 namespace py = pybind11;
@@ -238,6 +243,14 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_pipeline_drain", drain_pipeline);
   m.def("_pipeline_hold", pipeline_hold);
+  // The pipeline's timeline (sync/pipeline_trace.h): on/off (clears it), and the events since the
+  // last call as (event, steady-clock ns = time.monotonic_ns(), nodes).
+  m.def("_set_pipeline_trace", set_pipeline_trace);
+  m.def("_pipeline_trace", [] {
+    std::vector<std::tuple<std::string, int64_t, uint64_t>> out;
+    for (const PipeTraceEntry& e : take_pipeline_trace()) out.emplace_back(pipe_event_name(e.event), e.t_ns, e.nodes);
+    return out;
+  });
   m.def("_set_cuda_graphs", [](bool on) {
     config().cuda_graphs = on;
     if (!on) {

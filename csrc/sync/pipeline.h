@@ -23,6 +23,7 @@
 #include "execute/graphs.h"
 #include "execute/memory.h"
 #include "ir/program.h"
+#include "sync/pipeline_trace.h"
 #include "sync/sync.h"
 
 namespace lazymem {
@@ -131,6 +132,7 @@ class Pipeline {
       live_.resident = device_bytes_held(); // (the worker is idle: none of it is a run's)
       live_.offset = handed_nodes_.fetch_add(batch, std::memory_order_relaxed);
       stats().pipeline_handed.fetch_add(1, std::memory_order_relaxed);
+      pipeline_trace(PipeEvent::kHanded, batch);
       if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
     }
     hold_cap();
@@ -256,6 +258,7 @@ class Pipeline {
   }
   void note_due_locked(Program& p, size_t batch) {
     if (due_noted_.exchange(true, std::memory_order_relaxed)) return;
+    pipeline_trace(PipeEvent::kDue, batch);
     due_.upto = p.seq_at(batch - 1);
     due_.live = p.live_now(due_.upto);
   }
@@ -269,6 +272,7 @@ class Pipeline {
       const std::optional<c10::Stream> stream = stream_;
       busy_ = true;
       lk.unlock();
+      pipeline_trace(PipeEvent::kWorkerStart);
       std::exception_ptr err;
       const auto t0 = std::chrono::steady_clock::now();
       try {
@@ -287,6 +291,7 @@ class Pipeline {
         err = std::current_exception();
         disarm();
       }
+      pipeline_trace(PipeEvent::kWorkerEnd);
       stats().pipeline_worker_ns.fetch_add(
           std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count(),
           std::memory_order_relaxed);

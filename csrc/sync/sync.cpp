@@ -418,6 +418,13 @@ void sync(const SyncRequest& req) {
       if (on) Pipeline::get().release_cap();
     }
   } release_cap{!req.background};
+  struct Traced {
+    bool on;
+    ~Traced() {
+      if (on) pipeline_trace(PipeEvent::kSyncEnd);
+    }
+  } traced{!req.background};
+  if (!req.background) pipeline_trace(PipeEvent::kSyncStart);
   std::unique_lock<std::mutex> lock = acquire_flush();
   InFlush guard;
   if (!req.background && !req.read && req.needed.empty()) {

@@ -480,3 +480,55 @@ def test_a_budget_lowered_after_the_pipeline_armed_splits_as_if_never_pipelined(
     torch.testing.assert_close(torch.tensor(more), torch.tensor(ref[2:]))  # (split: float32 sums in chunks)
     assert stats["splits"] > 0 and stats["oom_retries"] == 0, stats
     assert stats["peak_bytes"] <= int(peak * 0.6), stats
+
+
+def test_the_pipeline_timeline_shows_hand_offs_late_batches_worker_runs_and_reads():
+    """torch_lazymem._C._set_pipeline_trace / _pipeline_trace (what gpu_check's check 10 prints for a
+    pipelined step): batch 1 handed at its 8th op and run by the worker; batch 2 due at its 16th op
+    while the worker is held busy, handed at the next op once it is free; the read's materialization
+    after both. Times are time.monotonic_ns()'s clock; nothing is kept while the trace is off."""
+    torch_lazymem._C._set_pipeline_batch(64)  # batches of 8, 16, 32 ... after a read
+    xl = torch.randn(16).to(LAZY)
+    chain(xl, 40).cpu()  # arms the pipeline
+    torch_lazymem._C._pipeline_drain()
+    torch_lazymem._C._set_pipeline_trace(True)
+    try:
+        start = time.monotonic_ns()
+        y = xl
+        try:
+            for i in range(8):
+                if i == 7:
+                    torch_lazymem._C._pipeline_hold(True)  # the worker stays busy after batch 1
+                y = y * 1.0001
+            for _ in range(10_000):  # until the worker has taken batch 1
+                if torch_lazymem.stats()["pending_nodes"] == 0:
+                    break
+                time.sleep(0.001)
+            for _ in range(16):  # batch 2: due at its 16th op
+                y = y * 1.0001
+        finally:
+            torch_lazymem._C._pipeline_hold(False)
+        torch_lazymem._C._pipeline_drain()
+        y = y * 1.0001  # batch 2 handed here
+        torch_lazymem._C._pipeline_drain()
+        out = y.cpu()
+        end = time.monotonic_ns()
+        events = torch_lazymem._C._pipeline_trace()
+    finally:
+        torch_lazymem._C._set_pipeline_trace(False)
+    expected = xl.cpu()
+    for _ in range(25):
+        expected = expected * 1.0001
+    assert torch.equal(out, expected)
+    assert all(start <= t <= end for _, t, _ in events), (start, events, end)
+    at = {kind: [(t, n) for k, t, n in events if k == kind] for kind in {k for k, _, _ in events}}
+    assert [n for _, n in at["handed"]] == [8, 16], events
+    assert [n for _, n in at["due"]] == [16] and at["due"][0][0] <= at["handed"][1][0], events
+    runs = list(zip(at["worker_start"], at["worker_end"]))
+    assert len(runs) == 2, events
+    for (handed, _), ((t0, _), (t1, _)) in zip(at["handed"], runs):
+        assert handed <= t0 <= t1, events
+    assert len(at["sync_start"]) == len(at["sync_end"]) == 1, events
+    assert runs[-1][1][0] <= at["sync_start"][0][0] <= at["sync_end"][0][0], events
+    chain(xl, 40).cpu()  # off: nothing kept
+    assert torch_lazymem._C._pipeline_trace() == []
