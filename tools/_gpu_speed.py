@@ -170,8 +170,9 @@ def item_speed(side: str) -> Result:
 
 def deterministic_steps(side: str, n_layer: int, config: dict[str, Any], ids: torch.Tensor) -> Result:
     """The verdict's steps: a fresh model, 1 AdamW step then 3 (lazymem: pipelined, graphs on) under
-    torch.use_deterministic_algorithms, so that kernels with atomics (embedding's backward) take their
-    deterministic forms on both sides and every loss and parameter compares bitwise. The timed steps'
+    torch.use_deterministic_algorithms, so that kernels that add with atomics (memory-efficient
+    attention's backward) take their deterministic forms on both sides and every loss and parameter
+    compares bitwise. The timed steps'
     losses cannot: eager CUDA differs from itself at the last bit on the 64x256-token row in some runs
     (a stop-48 run: from step 4, parameters up to 1.8e-7 apart)."""
     lazymem = sys.modules.get("torch_lazymem")
