@@ -1,5 +1,5 @@
 """Runs a function on N ranks of a gloo process group, each a fresh process (torch.multiprocessing's
-spawn context), and returns what each rank returned. A rank that raises fails the caller with its
+forkserver context), and returns what each rank returned. A rank that raises fails the caller with its
 traceback; ranks still running after `timeout` seconds are killed and fail it too (a hang is a bug).
 The ranks meet through a file store in a temporary directory (init_method="file://..."), as PyTorch's
 own MultiProcessTestCase does: no port is chosen, so none can be taken by another process between
@@ -38,10 +38,17 @@ def _entry(fn, rank: int, size: int, store: str, out_dir: str, args: tuple, pg_t
     torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
 
 
+# Each rank forks from a server that has imported torch and torch_lazymem once (a spawned rank spent
+# most of a test's time importing them: test_distributed.py and test_integrations_ddp.py took 137 s,
+# now 73 s). The server runs no op before it forks, as a DataLoader's forked workers; a rank reads its
+# settings from the environment the server started with: no test sets any for its ranks.
+mp.set_forkserver_preload(["torch", "torch_lazymem", "dist_programs"])
+
+
 def run_ranks(fn, size: int, *args, timeout: float = 240.0, pg_timeout: float = 60.0, allow_errors: bool = False):
     """fn(rank, size, *args) on `size` ranks; returns the list of their results. With allow_errors,
     returns ("ok", value) / ("error", traceback) / ("missing", None) per rank instead of raising."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
     with tempfile.TemporaryDirectory() as d:
         store = os.path.join(d, "store")  # (created by the first rank; results go beside it)
         procs = [ctx.Process(target=_entry, args=(fn, r, size, store, d, args, pg_timeout)) for r in range(size)]
