@@ -385,6 +385,10 @@ def lazy_cap(model: nn.Module, opt: torch.optim.Optimizer) -> Result:
                             "oom_retries": lazymem.stats()["oom_retries"], "first_retries": first_retries,
                             "caps": lazymem.stats()["allocator_caps"], "allocator": allocator_counts(counts),
                             "in_host": st1["values_in_host_memory"] - st0["values_in_host_memory"],
+                            # (what the planner prices copies at, learned from the copies so far, and
+                            # the timed steps' copies out of the device)
+                            "copy_gbps": GiB / lazymem._C._predicted_copy_seconds(GiB) / 1e9,
+                            "d2h": {k: st1[k] - st0[k] for k in ("d2h_bytes", "d2h_copies", "d2h_ns")},
                             "plan_ms": lazymem.stats()["plan_ns"] / 1e6,
                             "fraction_after": torch.cuda.get_per_process_memory_fraction()}
     return runs
@@ -402,7 +406,8 @@ def judge_cap(eager: Result, lazy: Result) -> tuple[str, Result]:
             f"reserved {run['reserved'] / GiB:.2f} of {CAP / GiB:g} GiB (budget {run['budget'] / GiB:.2f}), "
             f"allocated {run['allocated'] / GiB:.2f} GiB vs predicted {run['predicted'] / GiB:.2f}, "
             f"{run['chunks']} chunks, {run['oom_retries']} retries ({run['first_retries']} in the first step), "
-            f"{run['in_host']} values in host memory, "
+            f"{run['in_host']} values in host memory ({run['d2h']['d2h_bytes'] / GiB:.2f} GiB out in "
+            f"{run['d2h']['d2h_ns'] / 1e6:.1f} ms; copies priced at {run['copy_gbps']:.1f} GB/s), "
             f"allocator capped for {run['caps']} runs; timed steps: {run['timed']['pipelined_flushes']} batches "
             f"pipelined, {run['timed']['pipeline_given_back']} given back, {run['timed']['plan_ns'] / 1e6:.1f} ms planning")
     # The issue's goal: what the caching allocator reserves stays within the budget at every step, and

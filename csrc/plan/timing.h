@@ -27,7 +27,11 @@ void clear_node_times();
 // time, or (off the simulated device, or faster than it) the copies measured so far; 25 GB/s when
 // nothing is known.
 double predicted_copy_seconds(int64_t bytes);
-// A copy of `bytes` took `seconds` (memcpy and link together).
+// A copy of `bytes` took `seconds` (memcpy and link together); learned from copies of at least
+// kLearnedCopyBytes.
 void observe_copy(int64_t bytes, double seconds);
+constexpr int64_t kLearnedCopyBytes = int64_t{1} << 20;
+// Forgets the copies measured (tests).
+void clear_copy_times();
 
 } // namespace lazymem

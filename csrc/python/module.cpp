@@ -201,6 +201,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("_counting_active", counting_cpu_allocator_active);
   m.def("_link_bandwidth", link_bandwidth);
   m.def("_clear_node_times", clear_node_times);
+  m.def("_predicted_copy_seconds", predicted_copy_seconds); // (what the planner prices a copy of n bytes at)
   m.def("_set_link_bandwidth", set_link_bandwidth);
   m.def("_host_memory_allocated", [] { return host_counter().allocated(); });
   m.def("_max_host_memory_allocated", [] { return host_counter().peak(); });
