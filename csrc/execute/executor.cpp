@@ -208,7 +208,18 @@ class Walker final : public StageWalk {
 
   bool run_plain(size_t p, bool measure) override {
     const PlannedNode& pn = stage_->nodes[p];
-    if (!run_node(pn, *binder_, 0, measure)) return false;
+    const size_t mark = saved_.size();
+    std::vector<LazyBuffer*> unsaved;
+    if (!save_updated(pn, unsaved)) return false;
+    if (!run_node(pn, *binder_, 0, measure)) {
+      restore_rows(mark); // what its kernel may have updated before it failed, as it was
+      if (!unsaved.empty() && replay_reached_kernel()) {
+        out_.torn = std::move(unsaved);
+        out_.torn_in_node = true;
+      }
+      return false;
+    }
+    saved_.resize(mark);
     for (LazyBuffer* b : stage_->released_after(pn)) release(b);
     return true;
   }
@@ -489,6 +500,54 @@ class Walker final : public StageWalk {
     return true;
   }
 
+  // A node of a whole stage that updates a value in place and allocates as it runs (outputs of its
+  // own, or a list's tensors one at a time) can run out of memory inside its kernel after updating
+  // some of the value: run again from there, it would update it twice (BatchNorm's running
+  // statistics were, when the allocation of its output after the update failed). Such values of up to
+  // kUndoBytes in all are saved first (the undo log, put back if the node fails): in host memory on
+  // the CPU backing, beside them on a GPU (a copy on the stream, where a copy to the host would wait
+  // for the device at every BatchNorm and could not be captured in a CUDA graph). Larger ones are
+  // returned in `unsaved`, lost if the node fails rather than updated twice. A value held in host
+  // memory is updated on a device copy and copied back only once the node has run.
+  static constexpr int64_t kUndoBytes = int64_t{1} << 20;
+  bool save_updated(const PlannedNode& pn, std::vector<LazyBuffer*>& unsaved) {
+    const Node& n = *pn.node;
+    if (n.effectful || draws_from_generator(pn) || idempotent_in_place(pn.op.schema())) return true;
+    bool list = false;
+    for (const Use& u : n.uses) list = list || (u.write && u.elem >= 0);
+    if (n.defs.empty() && !list) return true; // allocates nothing of its own after updating
+    std::vector<size_t> updated;
+    int64_t bytes = 0;
+    for (size_t k = 0; k < n.uses.size(); ++k) {
+      const LazyBuffer& b = *n.uses[k].ref.buf;
+      if (!reads_what_it_writes(n, k) || !b.has_real() || b.real_on_host) continue;
+      updated.push_back(k);
+      bytes += static_cast<int64_t>(n.uses[k].ref.meta.extent_bytes());
+    }
+    if (updated.empty()) return true;
+    if (bytes > kUndoBytes) {
+      for (size_t k : updated) unsaved.push_back(n.uses[k].ref.buf.get());
+      return true;
+    }
+    for (size_t k : updated) {
+      at::Tensor view = binder_->home(pn, k);
+      try {
+        if (counting_) {
+          CountingScope host(&host_counter()); // host memory, not the device's
+          saved_.push_back(SavedRows{view, view.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true)});
+        } else {
+          saved_.push_back(SavedRows{view, view.clone()});
+        }
+      } catch (const c10::OutOfMemoryError&) {
+        out_.oom = std::current_exception();
+        out_.oom_site = "saving b" + std::to_string(n.uses[k].ref.buf->id) + " before " + n.describe() +
+            " updates it in place";
+        return false;
+      }
+    }
+    return true;
+  }
+
   // Puts back the rows saved since `from`, newest first.
   void restore_rows(size_t from) {
     for (size_t i = saved_.size(); i-- > from;) saved_[i].view.copy_(saved_[i].rows);
@@ -514,9 +573,9 @@ class Walker final : public StageWalk {
   std::vector<LazyBuffer*> updated_in_place_; // by the running loop, rows not saved (note_updated_in_place)
   struct SavedRows {
     at::Tensor view; // the rows, in the stored value
-    at::Tensor rows; // their contents before the update, in host memory
+    at::Tensor rows; // their contents before the update, in host memory (a node's undo on a GPU: beside them)
   };
-  std::vector<SavedRows> saved_; // the running loop's undo log (save_rows)
+  std::vector<SavedRows> saved_; // the undo log: the running loop's (save_rows), a node's (save_updated)
   const std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   int64_t total_chunks_ = 0;
   int64_t chunks_done_ = 0;

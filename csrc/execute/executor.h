@@ -41,6 +41,9 @@ struct ExecOutcome {
   // running the loop again nor resuming it is exact: the caller loses them (reads raise) rather
   // than compute a wrong answer.
   std::vector<LazyBuffer*> torn;
+  // With torn: by one node of a whole stage (which may have updated part of them before running out
+  // of memory inside its kernel; Walker::save_updated), not a loop's rows.
+  bool torn_in_node = false;
   uint64_t epoch = 0;
   int64_t peak = 0;                  // device bytes at the peak
   const Node* peak_node = nullptr;   // the node running when it happened (nullptr: between nodes)

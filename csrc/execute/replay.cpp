@@ -234,10 +234,20 @@ void replay_row_keyed(const PlannedNode& pn, Binder& binder, torch::jit::Stack& 
 
 } // namespace
 
+namespace {
+thread_local bool t_reached_kernel = false;
+} // namespace
+
+bool replay_reached_kernel() {
+  return t_reached_kernel;
+}
+
 void replay(const PlannedNode& pn, Binder& binder, torch::jit::Stack& stack) {
   Node& n = *pn.node;
+  t_reached_kernel = false;
   std::optional<at::Generator> reseeded; // a row-keyed seed drawn while the node was pending
   if (n.random) {
+    t_reached_kernel = true; // (the stream and row-keyed paths bind as they run: taken as reached)
     if (n.stream || pn.rng_stream) {
       stack.clear();
       replay_from_stream(pn, binder);
@@ -275,6 +285,7 @@ void replay(const PlannedNode& pn, Binder& binder, torch::jit::Stack& stack) {
     const c10::IValue& src = stack.at(1);
     if (src.isTensor()) count_transfer(static_cast<int64_t>(src.toTensor().numel() * src.toTensor().element_size()), true);
   }
+  t_reached_kernel = true;
   if (reseeded) {
     redispatch_with(pn.op, stack, n.device_args, n.generator_arg, *reseeded, n.grad_mode);
   } else {

@@ -16,6 +16,9 @@ namespace lazymem {
 
 // Runs `pn` with the binder's views. `stack` is the caller's, reused from node to node.
 void replay(const PlannedNode& pn, Binder& binder, torch::jit::Stack& stack);
+// Whether this thread's last replay() reached its kernel: one that raised before (binding its
+// operands ran out of memory) changed nothing the node writes.
+bool replay_reached_kernel();
 
 // Runs `op` on the backing device with its arguments at stack[first...]: Device arguments become the
 // backing device; a random op (gen != nullptr) draws from gen's backing generator, through its

@@ -342,10 +342,14 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
     if (!out.torn.empty()) {
       std::string names;
       for (LazyBuffer* b : out.torn) names += (names.empty() ? "b" : ", b") + std::to_string(b->id);
-      const std::string lost = "lazymem: " + names + " was being updated in place chunk by chunk along the batch "
-          "when the device ran out of memory at " + out.oom_site + "; some of its rows were updated, and an "
-          "in-place update cannot run twice on the same rows, so it is lost (a larger capacity or a smaller "
-          "batch avoids this)";
+      const std::string lost = out.torn_in_node
+          ? "lazymem: " + names + " was being updated in place by " + out.oom_site + " when the device ran out "
+            "of memory inside its kernel; the kernel may have updated part of it, and an in-place update "
+            "cannot run twice, so it is lost (a larger capacity avoids this)"
+          : "lazymem: " + names + " was being updated in place chunk by chunk along the batch "
+            "when the device ran out of memory at " + out.oom_site + "; some of its rows were updated, and an "
+            "in-place update cannot run twice on the same rows, so it is lost (a larger capacity or a smaller "
+            "batch avoids this)";
       std::exception_ptr ep;
       try {
         TORCH_CHECK_WITH(OutOfMemoryError, false, lost);
