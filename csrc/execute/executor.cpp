@@ -210,7 +210,10 @@ class Walker final : public StageWalk {
     const PlannedNode& pn = stage_->nodes[p];
     const size_t mark = saved_.size();
     std::vector<LazyBuffer*> unsaved;
-    if (!save_updated(pn, unsaved)) return false;
+    if (!save_updated(pn, unsaved)) { // (out of memory saving: the node did not run)
+      saved_.resize(mark);
+      return false;
+    }
     if (!run_node(pn, *binder_, 0, measure)) {
       restore_rows(mark); // what its kernel may have updated before it failed, as it was
       if (!unsaved.empty() && replay_reached_kernel()) {
