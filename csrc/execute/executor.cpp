@@ -19,6 +19,7 @@
 #include "execute/real.h"
 #include "execute/replay.h"
 #include "execute/streams.h"
+#include "execute/undo.h"
 #include "plan/timing.h"
 #include "plan/workspace.h"
 
@@ -44,14 +45,6 @@ std::string failure_prefix(const Node& n) {
 }
 
 std::atomic<uint64_t> g_epochs{0};
-
-// Running the node takes numbers from its generator's stream (a random op run whole that has not
-// drawn yet): run twice, it would not give the same. Stream and row-keyed draws read the same again.
-bool draws_from_generator(const PlannedNode& pn) {
-  const Node& n = *pn.node;
-  return n.random && rng_form_draws(n.rng_form) && !n.drawn && !pn.rng_stream && pn.rng_block == 0 && !n.stream &&
-      !n.row_keyed;
-}
 
 class Walker final : public StageWalk {
  public:
@@ -416,62 +409,6 @@ class Walker final : public StageWalk {
     flush_hooks().progress(std::min(chunks_done_, total_chunks_), std::max(total_chunks_, chunks_done_), false);
   }
 
-  // Whether running `pn` for a chunk's rows again gives the same state: it writes no rows of a stored
-  // value in place from their old contents and draws no random numbers from a generator's stream.
-  // In-place ops whose second application changes nothing (f(f(x)) = f(x) with scalar arguments):
-  // running them again on rows they already updated is exact.
-  static bool idempotent_in_place(const c10::FunctionSchema& s) {
-    static const char* const kOps[] = {"aten::masked_fill_", "aten::fill_", "aten::zero_", "aten::relu_",
-                                       "aten::clamp_", "aten::clamp_min_", "aten::clamp_max_", "aten::hardtanh_",
-                                       "aten::abs_", "aten::floor_", "aten::ceil_", "aten::round_", "aten::trunc_",
-                                       "aten::sign_"};
-    if (s.overload_name() == "Tensor") return false; // a tensor argument might alias what is updated
-    for (const char* op : kOps) {
-      if (s.name() == op) return true;
-    }
-    return false;
-  }
-
-  // Whether use k writes rows of the value from their old contents: an in-place update, or an out=
-  // argument the node also reads (mul.out(p, c, out=p), what a per-tensor _foreach_mul_ records).
-  static bool reads_what_it_writes(const Node& n, size_t k) {
-    const Use& u = n.uses[k];
-    if (!u.write) return false;
-    if (!u.write_only) return true;
-    for (size_t j = 0; j < n.uses.size(); ++j) {
-      if (j != k && n.uses[j].ref.buf == u.ref.buf && !n.uses[j].write_only) return true;
-    }
-    return false;
-  }
-
-  static bool redoable_node(const PlannedNode& pn) {
-    const Node& n = *pn.node;
-    if (n.effectful || draws_from_generator(pn)) return false;
-    if (idempotent_in_place(pn.op.schema())) return true;
-    for (size_t k = 0; k < n.uses.size() && k < pn.uses.size(); ++k) {
-      if (reads_what_it_writes(n, k) && pn.uses[k].bind == Bind::kNarrow) return false;
-    }
-    return true;
-  }
-
-  // The uses through which `pn` updates rows of a value stored before the loop in place (a
-  // read-modify-write of a narrowed view). Not the loop's own stores and accumulators: abandoning the
-  // loop drops them, and running it again makes them anew before updating them.
-  static std::vector<size_t> stored_rows_updated(const Stage& st, const PlannedNode& pn) {
-    const Node& n = *pn.node;
-    std::vector<size_t> out;
-    for (size_t k = 0; k < n.uses.size() && k < pn.uses.size(); ++k) {
-      const Use& u = n.uses[k];
-      if (!reads_what_it_writes(n, k) || pn.uses[k].bind != Bind::kNarrow) continue;
-      const LazyBuffer* b = u.ref.buf.get();
-      bool own = false;
-      for (const FullStore& f : st.stores) own = own || f.buf == b;
-      for (const Accumulator& a : st.accs) own = own || a.buf == b;
-      if (!own) out.push_back(k);
-    }
-    return out;
-  }
-
   // The values `pn` (not redoable, rows not saved) updated in place: some of their rows are updated.
   void note_updated_in_place(const Stage& st, const PlannedNode& pn) {
     for (size_t k : stored_rows_updated(st, pn)) {
@@ -503,35 +440,16 @@ class Walker final : public StageWalk {
     return true;
   }
 
-  // A node of a whole stage that updates a value in place and allocates as it runs (outputs of its
-  // own, or a list's tensors one at a time) can run out of memory inside its kernel after updating
-  // some of the value: run again from there, it would update it twice (BatchNorm's running
-  // statistics were, when the allocation of its output after the update failed). Such values of up to
-  // kUndoBytes in all are saved first (the undo log, put back if the node fails): in host memory on
-  // the CPU backing, beside them on a GPU (a copy on the stream, where a copy to the host would wait
-  // for the device at every BatchNorm and could not be captured in a CUDA graph). Larger ones are
-  // returned in `unsaved`, lost if the node fails rather than updated twice. A value held in host
-  // memory is updated on a device copy and copied back only once the node has run.
+  // A node of a whole stage that updates an earlier value in place and allocates as it runs can run
+  // out of memory inside its kernel after the update: run again from there, it would update the value
+  // twice (BatchNorm's running statistics were). Up to kUndoBytes of such values (undo.h,
+  // node_updates_to_save) are saved first and put back if it fails: in host memory on the CPU
+  // backing, beside them on a GPU (a copy to the host would wait for the device at every BatchNorm
+  // and could not be captured in a CUDA graph). Larger ones go to `unsaved`: lost if it fails.
   static constexpr int64_t kUndoBytes = int64_t{1} << 20;
   bool save_updated(const PlannedNode& pn, std::vector<LazyBuffer*>& unsaved) {
     const Node& n = *pn.node;
-    if (n.effectful || draws_from_generator(pn) || idempotent_in_place(pn.op.schema())) return true;
-    bool list = false;
-    for (const Use& u : n.uses) list = list || (u.write && u.elem >= 0);
-    if (n.defs.empty() && !list) return true; // allocates nothing of its own after updating
-    std::vector<size_t> updated;
-    int64_t bytes = 0;
-    for (size_t k = 0; k < n.uses.size(); ++k) {
-      const LazyBuffer& b = *n.uses[k].ref.buf;
-      if (!reads_what_it_writes(n, k) || !b.has_real() || b.real_on_host) continue;
-      updated.push_back(k);
-      bytes += static_cast<int64_t>(n.uses[k].ref.meta.extent_bytes());
-    }
-    if (updated.empty()) return true;
-    if (bytes > kUndoBytes) {
-      for (size_t k : updated) unsaved.push_back(n.uses[k].ref.buf.get());
-      return true;
-    }
+    const std::vector<size_t> updated = node_updates_to_save(pn, kUndoBytes, unsaved);
     for (size_t k : updated) {
       at::Tensor view = binder_->home(pn, k);
       try {
