@@ -426,16 +426,26 @@ class Walker final : public StageWalk {
   // undo log. False (out of memory recorded) if a host copy cannot be made.
   bool save_rows(const Stage& st, const PlannedNode& pn, Binder& binder) {
     for (size_t k : stored_rows_updated(st, pn)) {
-      at::Tensor view = binder.home(pn, k);
-      try {
+      if (!save_view(binder.home(pn, k), /*beside=*/false, pn, k, "the rows of ")) return false;
+    }
+    return true;
+  }
+
+  // Puts `view`'s contents in the undo log: in host memory (counted there), or `beside` it on the
+  // device. False, out of memory recorded, when the copy cannot be made.
+  bool save_view(const at::Tensor& view, bool beside, const PlannedNode& pn, size_t k, const char* what) {
+    try {
+      if (beside) {
+        saved_.push_back(SavedRows{view, view.clone()});
+      } else {
         CountingScope host(&host_counter()); // host memory, not the device's
         saved_.push_back(SavedRows{view, view.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true)});
-      } catch (const c10::OutOfMemoryError&) {
-        out_.oom = std::current_exception();
-        out_.oom_site = "saving the rows of b" + std::to_string(pn.node->uses[k].ref.buf->id) + " before " +
-            pn.node->describe() + " updates them";
-        return false;
       }
+    } catch (const c10::OutOfMemoryError&) {
+      out_.oom = std::current_exception();
+      out_.oom_site = std::string("saving ") + what + "b" + std::to_string(pn.node->uses[k].ref.buf->id) +
+          " before " + pn.node->describe() + " updates it in place";
+      return false;
     }
     return true;
   }
@@ -448,23 +458,8 @@ class Walker final : public StageWalk {
   // and could not be captured in a CUDA graph). Larger ones go to `unsaved`: lost if it fails.
   static constexpr int64_t kUndoBytes = int64_t{1} << 20;
   bool save_updated(const PlannedNode& pn, std::vector<LazyBuffer*>& unsaved) {
-    const Node& n = *pn.node;
-    const std::vector<size_t> updated = node_updates_to_save(pn, kUndoBytes, unsaved);
-    for (size_t k : updated) {
-      at::Tensor view = binder_->home(pn, k);
-      try {
-        if (counting_) {
-          CountingScope host(&host_counter()); // host memory, not the device's
-          saved_.push_back(SavedRows{view, view.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true)});
-        } else {
-          saved_.push_back(SavedRows{view, view.clone()});
-        }
-      } catch (const c10::OutOfMemoryError&) {
-        out_.oom = std::current_exception();
-        out_.oom_site = "saving b" + std::to_string(n.uses[k].ref.buf->id) + " before " + n.describe() +
-            " updates it in place";
-        return false;
-      }
+    for (size_t k : node_updates_to_save(pn, kUndoBytes, unsaved)) {
+      if (!save_view(binder_->home(pn, k), /*beside=*/!counting_, pn, k, "")) return false;
     }
     return true;
   }

@@ -59,19 +59,21 @@ std::vector<size_t> stored_rows_updated(const Stage& st, const PlannedNode& pn) 
 }
 
 std::vector<size_t> node_updates_to_save(const PlannedNode& pn, int64_t max_bytes, std::vector<LazyBuffer*>& unsaved) {
+  // (Every plain node of every run asks: the cheap tests first, most nodes update nothing in place.)
   const Node& n = *pn.node;
-  if (n.effectful || draws_from_generator(pn) || idempotent_in_place(pn.op.schema())) return {};
-  bool list = false;
-  for (const Use& u : n.uses) list = list || (u.write && u.elem >= 0);
-  if (n.defs.empty() && !list) return {}; // allocates nothing of its own after updating
   std::vector<size_t> updated;
   int64_t bytes = 0;
+  bool list = false;
   for (size_t k = 0; k < n.uses.size(); ++k) {
-    const LazyBuffer& b = *n.uses[k].ref.buf;
-    if (!reads_what_it_writes(n, k) || !b.has_real() || b.real_on_host) continue;
+    const Use& u = n.uses[k];
+    if (!u.write) continue;
+    list = list || u.elem >= 0;
+    if (!reads_what_it_writes(n, k) || !u.ref.buf->has_real() || u.ref.buf->real_on_host) continue;
     updated.push_back(k);
-    bytes += static_cast<int64_t>(n.uses[k].ref.meta.extent_bytes());
+    bytes += static_cast<int64_t>(u.ref.meta.extent_bytes());
   }
+  if (updated.empty() || (n.defs.empty() && !list)) return {}; // (none allocates after updating)
+  if (n.effectful || draws_from_generator(pn) || idempotent_in_place(pn.op.schema())) return {};
   if (bytes <= max_bytes) return updated;
   for (size_t k : updated) unsaved.push_back(n.uses[k].ref.buf.get());
   return {};
