@@ -3,6 +3,7 @@
     PYTHONPATH=. python tools/gpu_check.py     # one NVIDIA GPU; with OUT set: $OUT/gpu_check.{md,json,log}
     PYTHONPATH=. python tools/gpu_check.py --only tiny,speed     # some of the checks (names below)
     PYTHONPATH=. python tools/gpu_check.py --only gpt2_split,cap --chunk-node-ns 8000   # chunks priced
+    PYTHONPATH=. python tools/gpu_check.py --async-copy-out 1     # results copied out asynchronously
 
 Prints a markdown table, one row per check (ok / FAIL / skip, and its figures):
 
@@ -19,7 +20,8 @@ Prints a markdown table, one row per check (ok / FAIL / skip, and its figures):
    B_e, 4 B_e and 8 B_e (default budget): time per step, throughput per sample against eager,
    reserved memory against the cap, chunks and out-of-memory retries; then 4 B_e and 8 B_e with the
    planner pricing each node at 8 us per chunk (LAZYMEM_CHUNK_NODE_NS, off by default): the logits
-   the loop keeps go to host memory where that saves chunks.
+   the loop keeps go to host memory where that saves chunks, copied out while the next chunk computes
+   (LAZYMEM_ASYNC_COPY_OUT, off on a GPU by default) unless --async-copy-out 0.
 9. tiny ops: time per op of 4,000 pointwise ops on 1,024 elements, eager CUDA and lazymem, then lazymem
    again with pipelined execution (torch_lazymem.set_pipeline(True)); all three values equal.
 10. step time, issue 30's rows (GPT-2 4x256 at 16x128 and 64x256 tokens, GPT-2 small at 16x512):
@@ -353,6 +355,8 @@ def lazy_cap(model: nn.Module, opt: torch.optim.Optimizer) -> Result:
             break
         if node_ns:
             lazymem._C._set_chunk_node_ns(node_ns)
+            if not os.environ.get("LAZYMEM_ASYNC_COPY_OUT"):
+                lazymem._C._set_async_copy_out(1)
         ids = token_ids(mult * b_e, 256).to("lazymem")
         torch.cuda.reset_peak_memory_stats()
         lazymem.reset_stats()
@@ -374,6 +378,8 @@ def lazy_cap(model: nn.Module, opt: torch.optim.Optimizer) -> Result:
         finally:
             if node_ns:
                 lazymem._C._set_chunk_node_ns(-1)
+                if not os.environ.get("LAZYMEM_ASYNC_COPY_OUT"):
+                    lazymem._C._set_async_copy_out(-1)
         st1 = lazymem.stats()
         runs[name] = {"batch": mult * b_e, "first_s": times[0], "step_s": statistics.mean(times[3:]),
                             "warm_s": times[1:3],
@@ -388,7 +394,8 @@ def lazy_cap(model: nn.Module, opt: torch.optim.Optimizer) -> Result:
                             # (what the planner prices copies at, learned from the copies so far, and
                             # the timed steps' copies out of the device)
                             "copy_gbps": GiB / lazymem._C._predicted_copy_seconds(GiB) / 1e9,
-                            "d2h": {k: st1[k] - st0[k] for k in ("d2h_bytes", "d2h_copies", "d2h_ns")},
+                            "d2h": {k: st1[k] - st0[k] for k in ("d2h_bytes", "d2h_copies", "d2h_ns", "d2h_behind",
+                                                                  "copy_out_wait_ns")},
                             "plan_ms": lazymem.stats()["plan_ns"] / 1e6,
                             "fraction_after": torch.cuda.get_per_process_memory_fraction()}
     return runs
@@ -407,7 +414,9 @@ def judge_cap(eager: Result, lazy: Result) -> tuple[str, Result]:
             f"allocated {run['allocated'] / GiB:.2f} GiB vs predicted {run['predicted'] / GiB:.2f}, "
             f"{run['chunks']} chunks, {run['oom_retries']} retries ({run['first_retries']} in the first step), "
             f"{run['in_host']} values in host memory ({run['d2h']['d2h_bytes'] / GiB:.2f} GiB out in "
-            f"{run['d2h']['d2h_ns'] / 1e6:.1f} ms; copies priced at {run['copy_gbps']:.1f} GB/s), "
+            f"{run['d2h']['d2h_ns'] / 1e6:.1f} ms, {run['d2h']['d2h_behind']} of {run['d2h']['d2h_copies']} copies "
+            f"not waited for, {run['d2h']['copy_out_wait_ns'] / 1e6:.1f} ms waited for them at the ends of runs; "
+            f"copies priced at {run['copy_gbps']:.1f} GB/s), "
             f"allocator capped for {run['caps']} runs; timed steps: {run['timed']['pipelined_flushes']} batches "
             f"pipelined, {run['timed']['pipeline_given_back']} given back, {run['timed']['plan_ns'] / 1e6:.1f} ms planning")
     # The issue's goal: what the caching allocator reserves stays within the budget at every step, and
@@ -579,9 +588,14 @@ if __name__ == "__main__":
     parser.add_argument("--only", help="comma-separated checks to run (of: " + ", ".join(CHECKS) + "); all by default")
     parser.add_argument("--chunk-node-ns", type=int, help="lazymem's planner prices each node at this many ns per "
                         "chunk in every check (LAZYMEM_CHUNK_NODE_NS; off by default)")
+    parser.add_argument("--async-copy-out", type=int, choices=[0, 1], help="copies of results into host memory "
+                        "overlap the kernels after them (1) or not (0) in every check (LAZYMEM_ASYNC_COPY_OUT; off on "
+                        "a GPU by default, on in check 8's priced rows)")
     ARGS = parser.parse_args()
     if ARGS.chunk_node_ns is not None:  # (the workers inherit it)
         os.environ["LAZYMEM_CHUNK_NODE_NS"] = str(ARGS.chunk_node_ns)
+    if ARGS.async_copy_out is not None:
+        os.environ["LAZYMEM_ASYNC_COPY_OUT"] = str(ARGS.async_copy_out)
     ONLY = ARGS.only.split(",") if ARGS.only else list(CHECKS)
     if unknown := [c for c in ONLY if c not in CHECKS]:
         parser.error(f"unknown checks {unknown}: expected some of {', '.join(CHECKS)}")

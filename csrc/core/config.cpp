@@ -67,6 +67,8 @@ std::map<std::string, int64_t> Stats::snapshot() const {
       {"d2h_ns", ld(d2h_ns)},
       {"h2d_ahead", ld(h2d_ahead)},
       {"copy_wait_ns", ld(copy_wait_ns)},
+      {"d2h_behind", ld(d2h_behind)},
+      {"copy_out_wait_ns", ld(copy_out_wait_ns)},
       {"cuda_graph_captures", ld(cuda_graph_captures)},
       {"cuda_graph_replays", ld(cuda_graph_replays)},
       {"cuda_graph_nodes", ld(cuda_graph_nodes)},
@@ -123,6 +125,8 @@ void Stats::reset() {
   d2h_ns = 0;
   h2d_ahead = 0;
   copy_wait_ns = 0;
+  d2h_behind = 0;
+  copy_out_wait_ns = 0;
   cuda_graph_captures = 0;
   cuda_graph_replays = 0;
   cuda_graph_nodes = 0;
@@ -200,6 +204,7 @@ static Config* make_config() {
   if (std::optional<uint64_t> n = env_count("LAZYMEM_PIPELINE_BATCH")) c->pipeline_batch = std::max<uint64_t>(*n, 1);
   if (std::optional<uint64_t> n = env_count("LAZYMEM_CHUNK_NODE_NS")) c->chunk_node_ns = static_cast<int64_t>(*n);
   if (std::optional<bool> v = env_flag("LAZYMEM_CHECK_BOUNDARY")) c->check_boundary = *v;
+  if (std::optional<bool> v = env_flag("LAZYMEM_ASYNC_COPY_OUT")) c->async_copy_out = *v ? 1 : 0;
   if (std::optional<uint64_t> n = env_count("LAZYMEM_FLUSH_NODES")) c->flush_threshold_nodes = *n;
   if (const char* b = std::getenv("LAZYMEM_FLUSH_BYTES")) {
     if (*b) c->flush_threshold_bytes = static_cast<uint64_t>(parse_bytes(b));

@@ -60,6 +60,8 @@ struct Stats {
   std::atomic<uint64_t> d2h_ns{0};
   std::atomic<uint64_t> h2d_ahead{0};     // copies started ahead of their reader (the next chunk's rows)
   std::atomic<uint64_t> copy_wait_ns{0};  // time the executor waited for such copies to end
+  std::atomic<uint64_t> d2h_behind{0};    // copies out the executor did not wait for (execute/transfer.h copy_out)
+  std::atomic<uint64_t> copy_out_wait_ns{0}; // time spent waiting for them to end (await_copies_out)
   // CUDA graphs of reused plans (execute/graphs.h).
   std::atomic<uint64_t> cuda_graph_captures{0};   // pieces of plans captured as graphs
   std::atomic<uint64_t> cuda_graph_replays{0};    // graph launches (a piece's nodes in one launch)
@@ -129,6 +131,10 @@ struct Config {
   // The simulated device's modeled link between host and device memory, bytes per second each way
   // (0: not modeled). torch_lazymem.testing.simulated_device(link=...) (execute/transfer.h).
   std::atomic<double> link_bandwidth{0.0};
+  // Copies of results into host memory overlap the kernels after them (execute/transfer.h copy_out):
+  // 1 on, 0 off, -1 (the default) on the simulated device and off on an accelerator until a GPU run
+  // has checked it. LAZYMEM_ASYNC_COPY_OUT=0/1.
+  std::atomic<int> async_copy_out{-1};
 };
 Config& config();
 

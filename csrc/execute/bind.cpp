@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include <cmath>
+#include <cstdint>
 #include <optional>
 
 #include <ATen/TensorOperators.h>
@@ -44,7 +45,7 @@ using Taken = c10::SmallVector<const c10::StorageImpl*, 8>;
 // Copies a kernel's result into `b`'s view `dst`: across the boundary when `b` is held in host memory.
 void store(const LazyBuffer& b, const at::Tensor& dst, const at::Tensor& r) {
   if (b.real_on_host) {
-    copy_to_host(dst, r);
+    copy_out(dst, r);
   } else {
     dst.copy_(r);
   }
@@ -154,7 +155,52 @@ at::Tensor Binder::take_ahead(const PlannedNode& pn, size_t i, const at::Tensor&
   return at::Tensor();
 }
 
+size_t Binder::node_index(const PlannedNode& pn) const {
+  const PlannedNode* first = stage_.nodes.data();
+  return &pn >= first && &pn < first + stage_.nodes.size() ? static_cast<size_t>(&pn - first) : SIZE_MAX;
+}
+
+void Binder::keep(const PlannedNode& pn, size_t i, const at::Tensor& home, const at::Tensor& r) {
+  const size_t j = node_index(pn);
+  for (Kept& k : kept_) {
+    if (k.rows.writer != j || k.rows.def != i) continue;
+    k.device = r;
+    k.home = home;
+  }
+}
+
+at::Tensor Binder::kept_view(const PlannedNode& pn, size_t i, const at::Tensor& home) const {
+  const size_t j = node_index(pn);
+  for (const Kept& k : kept_) {
+    if (!k.device.defined() ||
+        std::find(k.rows.readers.begin(), k.rows.readers.end(), std::make_pair(j, i)) == k.rows.readers.end()) {
+      continue;
+    }
+    // The reader's view of the value's storage, as a view of the kernel's result for the writer's
+    // rows (dense, in the order of `k.home`'s elements).
+    const int64_t delta = home.storage_offset() - k.home.storage_offset();
+    int64_t span = 0;
+    for (int64_t d = 0; d < home.dim(); ++d) span += (home.size(d) - 1) * home.stride(d);
+    if (!k.device.is_contiguous() || !k.home.is_contiguous() || !k.device.sizes().equals(k.home.sizes()) ||
+        home.scalar_type() != k.device.scalar_type() || delta < 0 || (home.numel() > 0 && delta + span >= k.home.numel())) {
+      return at::Tensor(); // (not expected: kept_rows checked the views)
+    }
+    return k.device.as_strided(home.sizes(), home.strides(), k.device.storage_offset() + delta);
+  }
+  return at::Tensor();
+}
+
 void Binder::begin_chunk(int64_t start, int64_t rows) {
+  if (!kept_known_) { // (the values the loop assembles in host memory have their storage by now)
+    kept_known_ = true;
+    for (KeptRows& k : kept_rows(stage_, [](const LazyBuffer* b) { return b->has_real() && b->real_on_host; })) {
+      kept_.push_back(Kept{std::move(k), at::Tensor(), at::Tensor()});
+    }
+  }
+  for (Kept& k : kept_) {
+    k.device.reset();
+    k.home.reset();
+  }
   copies_.clear();
   c0_ = start;
   c1_ = start + rows;
@@ -173,8 +219,22 @@ bool Binder::begin_node(const PlannedNode& pn) {
   return count > 0 || !pn.row_node;
 }
 
+void Binder::after_node(const PlannedNode& pn) {
+  if (kept_.empty()) return;
+  const size_t j = node_index(pn);
+  for (Kept& k : kept_) {
+    if (k.rows.last != j) continue;
+    k.device.reset();
+    k.home.reset();
+  }
+}
+
 void Binder::end_chunk() {
   for (auto& s : local_) s = c10::Storage();
+  for (Kept& k : kept_) {
+    k.device.reset();
+    k.home.reset();
+  }
 }
 
 c10::Storage& Binder::slot_storage(int32_t slot) {
@@ -224,6 +284,9 @@ at::Tensor Binder::use(const PlannedNode& pn, size_t i) {
     copied_bytes_ += static_cast<int64_t>(v.numel() * v.element_size());
     return copy_to_device(v);
   }
+  if (!kept_.empty() && bd && bd->bind == Bind::kNarrow && !u.write) {
+    if (at::Tensor d = kept_view(pn, i, v); d.defined()) return d;
+  }
   if (!ahead_.empty() && bd && bd->bind == Bind::kNarrow) {
     if (at::Tensor d = take_ahead(pn, i, v); d.defined()) return d;
   }
@@ -270,7 +333,10 @@ at::Tensor Binder::home(const PlannedNode& pn, size_t i) {
         const TensorMeta g = gathered_rows(u.ref.meta, bd->dim, bd->unit, bd->outer, count);
         // (Held in host memory: gathered there, then copied over whole by use().)
         std::optional<CountingScope> host;
-        if (b.real_on_host) host.emplace(&host_counter());
+        if (b.real_on_host) {
+          await_copies_out(b.real.unsafeGetStorageImpl()); // (read on the host)
+          host.emplace(&host_counter());
+        }
         return real_view(b, narrow_rows_blocks(u.ref.meta, bd->dim, bd->unit, bd->outer, first, count))
             .reshape(g.sizes);
       }
@@ -352,7 +418,9 @@ void Binder::def(const PlannedNode& pn, size_t i, const at::Tensor& r, Taken& ta
       store(b, real_view(b, e), r.reshape(e.sizes));
       return;
     }
-    store(b, real_view(b, m), r);
+    const at::Tensor dst = real_view(b, m);
+    store(b, dst, r);
+    if (!kept_.empty() && b.real_on_host) keep(pn, i, dst, r);
     return;
   }
   // kLocal / kPartial: the slot's storage.
@@ -403,7 +471,7 @@ at::Tensor Binder::rows_along(const Bound* bd, const at::Tensor& full) const {
 
 void Binder::done(const PlannedNode& pn) {
   for (const Copy& c : copies_) {
-    if (c.back) copy_to_host(c.home, c.device);
+    if (c.back) copy_out(c.home, c.device);
   }
   copies_.clear();
   if (stage_.loop) return; // loops publish versions when they end

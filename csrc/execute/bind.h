@@ -90,6 +90,9 @@ class Binder {
   void free_slot(int32_t slot) {
     local_[slot] = c10::Storage();
   }
+  // Loop stages, after `pn` ran in the chunk (outside the node's measured window, as its slots are
+  // freed): drops the kept rows (KeptRows) whose last reader it is.
+  void after_node(const PlannedNode& pn);
   void end_chunk();
 
  private:
@@ -120,6 +123,18 @@ class Binder {
     int64_t first, count;
     std::unique_ptr<PendingCopy> copy;
   };
+  // Rows the chunk writes into a host-held value and reads again (plan.h KeptRows): the kernel's
+  // result (`device`, for the rows `home` of the value in host memory) from the writer through the
+  // last reader, which read views of it (kept_view) instead of copying the rows back in.
+  struct Kept {
+    KeptRows rows;
+    at::Tensor device, home;
+  };
+  std::vector<Kept> kept_;
+  bool kept_known_ = false;
+  size_t node_index(const PlannedNode& pn) const; // in stage_.nodes (SIZE_MAX: not one of them)
+  void keep(const PlannedNode& pn, size_t i, const at::Tensor& home, const at::Tensor& r);
+  at::Tensor kept_view(const PlannedNode& pn, size_t i, const at::Tensor& home) const;
   std::vector<std::pair<const PlannedNode*, size_t>> aheadable_; // uses copied ahead in this loop
   std::vector<Ahead> ahead_;
   int64_t copied_bytes_ = 0;

@@ -19,6 +19,7 @@
 #include "execute/real.h"
 #include "execute/replay.h"
 #include "execute/streams.h"
+#include "execute/transfer.h"
 #include "execute/undo.h"
 #include "plan/timing.h"
 #include "plan/workspace.h"
@@ -331,6 +332,7 @@ class Walker final : public StageWalk {
     for (const PlannedNode& pn : st.nodes) {
       if (!binder.begin_node(pn)) { // none of its rows in this chunk (a slice of the batch elsewhere)
         for (int32_t slot : pn.free_slots) binder.free_slot(slot);
+        binder.after_node(pn);
         continue;
       }
       // An in-place update of a stored value's rows: the rows are saved first (undoable), unless the
@@ -364,6 +366,7 @@ class Walker final : public StageWalk {
       }
       if (!ok) break;
       for (int32_t slot : pn.free_slots) binder.free_slot(slot);
+      binder.after_node(pn);
     }
     binder.end_chunk();
     if (ok) report_progress();
@@ -518,7 +521,17 @@ ExecOutcome execute(const Plan& plan, c10::ArrayRef<Node*> random_nodes, StageRu
   const bool each_node = plan.budget >= 0 && plan.predicted_peak > plan.budget / 2 && device_peak &&
       !device_peak->traced();
   const int64_t resident = device_peak ? lazymem_device_bytes() : 0;
+  // Results copied out to host memory are there before anything outside the run reads them.
+  struct AwaitCopiesOut {
+    ~AwaitCopiesOut() {
+      try {
+        await_copies_out();
+      } catch (...) { // NOLINT(bugprone-empty-catch): unwinding already (a device failing)
+      }
+    }
+  } await_on_error;
   ExecOutcome out = Walker(plan, each_node ? &*device_peak : nullptr, runner).run();
+  await_copies_out();
   if (!out.oom) draws.finish();
   device_counter().stop_injection();
   if (device_peak) device_peak->sample();

@@ -1,7 +1,9 @@
 // execute: copies across the host/device boundary, and the boundary's check.
 #include "execute/transfer.h"
 
+#include <algorithm>
 #include <atomic>
+#include <iterator>
 #include <chrono>
 #include <mutex>
 #include <thread>
@@ -93,6 +95,7 @@ PendingCopy::PendingCopy(const at::Tensor& host)
   device_ = at::empty(host.sizes(), host.options().device(dev)); // charged now, on the compute stream
   stats().h2d_ahead.fetch_add(1, std::memory_order_relaxed);
   if (dev.is_cpu()) {
+    await_copies_out(host.storage().unsafeGetStorageImpl()); // (on a stream the one copy stream orders them)
     // The simulated device's copy engine: the bytes are in place now (host and device are both this
     // machine's memory, and a memcpy on the thread that runs kernels keeps every allocation and every
     // kernel's threads where they would be without it); the copy is done when the modeled link has
@@ -163,6 +166,7 @@ Clock::time_point start_timed_copy(const c10::Device& dev) {
 } // namespace
 
 at::Tensor copy_to_device(const at::Tensor& host, c10::ScalarType dtype) {
+  await_copies_out(host.storage().unsafeGetStorageImpl());
   const auto start = start_timed_copy(backing_device());
   at::Tensor t = at::empty(host.sizes(), at::TensorOptions()
                                              .dtype(dtype == c10::ScalarType::Undefined ? host.scalar_type() : dtype)
@@ -173,9 +177,114 @@ at::Tensor copy_to_device(const at::Tensor& host, c10::ScalarType dtype) {
 }
 
 void copy_to_host(const at::Tensor& host, const at::Tensor& device) {
+  await_copies_out(host.storage().unsafeGetStorageImpl());
   const auto start = start_timed_copy(device.device());
   host.copy_(device);
   take_link_time(static_cast<int64_t>(device.numel() * device.element_size()), false, start);
+}
+
+namespace {
+
+// A copy out not waited for yet, in the order issued.
+struct CopyOut {
+  at::Tensor host;  // its destination (held until it ends: its memory is not reused meanwhile)
+  at::Tensor stash; // the simulated device's, with the boundary checked: the bytes, put into `host` when awaited
+  int64_t bytes = 0;
+  Clock::time_point finish{};             // the simulated device's: when the link has carried it
+  std::optional<c10::Event> began, ended; // a copy stream's (timed: they teach the planner the link's rate)
+};
+
+std::mutex g_out_mu;
+std::vector<CopyOut> g_out;
+std::atomic<size_t> g_out_count{0};
+
+bool destined_for(const CopyOut& c, const c10::StorageImpl* dst) {
+  return !dst || c.host.storage().unsafeGetStorageImpl() == dst;
+}
+
+} // namespace
+
+bool copies_out_async(const c10::Device& dev) {
+  const int v = config().async_copy_out.load(std::memory_order_relaxed);
+  return v >= 0 ? v == 1 : dev.is_cpu();
+}
+
+void copy_out(const at::Tensor& host, const at::Tensor& device) {
+  const c10::Device dev = device.device();
+  CopyOut c;
+  c.bytes = static_cast<int64_t>(device.numel() * device.element_size());
+  if (c.bytes == 0 || !copies_out_async(dev) || (!dev.is_cpu() && !host.is_pinned())) {
+    copy_to_host(host, device); // (after the copies out into `host` before it)
+    return;
+  }
+  c.host = host;
+  if (dev.is_cpu()) {
+    // The simulated device's copy engine: the link carries the bytes after its earlier copies while
+    // the executor goes on. With the boundary checked they land in `host` only when awaited.
+    const auto start = Clock::now();
+    if (config().check_boundary.load(std::memory_order_relaxed) && boundary_checked()) {
+      CountingScope held(&host_counter());
+      c.stash = at::empty(device.sizes(), device.options());
+      c.stash.copy_(device);
+    } else {
+      host.copy_(device);
+    }
+    c.finish = std::max(link_finish(c.bytes, false, start), Clock::now());
+    count_copy(c.bytes, false, start, c.finish, /*measured=*/true);
+  } else {
+    c10::impl::VirtualGuardImpl impl(dev.type());
+    const c10::Stream copy = copy_stream(dev);
+    // After the compute stream's work so far (the kernel that wrote `device`).
+    c10::Event written(dev.type());
+    written.record(impl.getStream(dev));
+    written.block(copy);
+    c.began.emplace(dev.type(), c10::EventFlag::BACKEND_DEFAULT);
+    c.began->record(copy);
+    {
+      c10::StreamGuard on_copy(copy);
+      host.copy_(device, /*non_blocking=*/true);
+    }
+    device.record_stream(copy); // its memory is not reused before the copy has read it
+    c.ended.emplace(dev.type(), c10::EventFlag::BACKEND_DEFAULT);
+    c.ended->record(copy);
+    Stats& st = stats();
+    st.d2h_bytes.fetch_add(static_cast<uint64_t>(c.bytes), std::memory_order_relaxed);
+    st.d2h_copies.fetch_add(1, std::memory_order_relaxed);
+  }
+  stats().d2h_behind.fetch_add(1, std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(g_out_mu);
+  g_out.push_back(std::move(c));
+  g_out_count.store(g_out.size(), std::memory_order_release);
+}
+
+void await_copies_out(const c10::StorageImpl* dst) {
+  if (g_out_count.load(std::memory_order_acquire) == 0) return;
+  std::vector<CopyOut> due;
+  {
+    std::lock_guard<std::mutex> lock(g_out_mu);
+    auto keep = std::stable_partition(g_out.begin(), g_out.end(), [&](const CopyOut& c) { return !destined_for(c, dst); });
+    std::move(keep, g_out.end(), std::back_inserter(due));
+    g_out.erase(keep, g_out.end());
+    g_out_count.store(g_out.size(), std::memory_order_release);
+  }
+  const auto t0 = Clock::now();
+  for (CopyOut& c : due) { // (in issue order: two copies into one place land as issued)
+    if (c.ended) {
+      c.ended->synchronize();
+      try {
+        const double ms = c.began->elapsedTime(*c.ended);
+        observe_copy(c.bytes, ms / 1e3);
+        stats().d2h_ns.fetch_add(static_cast<uint64_t>(ms * 1e6), std::memory_order_relaxed);
+      } catch (const c10::Error&) { // NOLINT(bugprone-empty-catch): untimed events: nothing learned
+      }
+      continue;
+    }
+    if (c.finish > Clock::now()) std::this_thread::sleep_until(c.finish);
+    if (c.stash.defined()) c.host.copy_(c.stash);
+  }
+  stats().copy_out_wait_ns.fetch_add(
+      static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count()),
+      std::memory_order_relaxed);
 }
 
 void count_transfer(int64_t bytes, bool to_device) {

@@ -23,6 +23,23 @@ struct Node;
 at::Tensor copy_to_device(const at::Tensor& host, c10::ScalarType dtype = c10::ScalarType::Undefined);
 // Copies `device` into `host` (host memory, same shape); counted device-to-host.
 void copy_to_host(const at::Tensor& host, const at::Tensor& device);
+// Copies `device` into `host` (host memory, same shape) without the executor waiting for it
+// (DESIGN.md §3): a chunk's result goes out while the next chunk computes. Where copies out are
+// asynchronous (copies_out_async), on the simulated device the link carries the bytes on its own
+// timeline, and with LAZYMEM_CHECK_BOUNDARY=1 (the test suite, the fuzzer) they reach `host` only
+// when awaited, as on a real link, so a reader that does not wait reads stale bytes; on a stream (CUDA),
+// into pinned memory, the copy stream carries them after the compute stream's work so far, and the
+// device temporary's memory is not reused before they are out (record_stream). Elsewhere (pageable
+// memory, off) it is copy_to_host. Every host-side reader or writer of `host` waits first
+// (await_copies_out): the synchronous copies, a gather of host-held rows, and the executor at the end
+// of every run, before anything outside it sees the value.
+void copy_out(const at::Tensor& host, const at::Tensor& device);
+// Waits until the copies out into `dst` (nullptr: every one) have ended and their bytes are in host
+// memory. Cheap when none is in flight.
+void await_copies_out(const c10::StorageImpl* dst = nullptr);
+// Whether copy_out is asynchronous on `dev`: LAZYMEM_ASYNC_COPY_OUT=0/1, else (the default) on the
+// simulated device (a CPU backing) and not yet on an accelerator (unchecked on a GPU so far).
+bool copies_out_async(const c10::Device& dev);
 // Counts a copy of `bytes` made elsewhere (a random stream moved to the host) and takes the link's time.
 void count_transfer(int64_t bytes, bool to_device);
 

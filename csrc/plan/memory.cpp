@@ -170,6 +170,18 @@ class Simulator {
     auto held_ahead = [&](const PlannedNode& pn, size_t i) {
       return std::find(ahead_uses.begin(), ahead_uses.end(), std::make_pair(&pn, i)) != ahead_uses.end();
     };
+    // Rows written to host memory and read again in the chunk: held on the device from the writer
+    // through the last reader, which copies nothing in.
+    const std::vector<KeptRows> kept = kept_rows(st, [&](const LazyBuffer* b) { return on_host(b); });
+    auto kept_read = [&](size_t node, size_t i) {
+      for (const KeptRows& k : kept) {
+        if (std::find(k.readers.begin(), k.readers.end(), std::make_pair(node, i)) != k.readers.end()) return true;
+      }
+      return false;
+    };
+    auto kept_def = [&](size_t node, size_t i) {
+      return std::any_of(kept.begin(), kept.end(), [&](const KeptRows& k) { return k.writer == node && k.def == i; });
+    };
     cur_ += ahead;
     std::vector<char> adopted(st.slots.size(), 0); // partials that became accumulators
     auto slot_bytes = [&](int32_t i) {
@@ -180,7 +192,8 @@ class Simulator {
     };
     for (int pass = 0; pass < 2; ++pass) { // the first chunk, then a steady one (accumulators held)
       std::vector<char> live(st.slots.size(), 0);
-      for (const PlannedNode& pn : st.nodes) {
+      for (size_t j = 0; j < st.nodes.size(); ++j) {
+        const PlannedNode& pn = st.nodes[j];
         const Node& n = *pn.node;
         Affine out, transient, copies;
         for (size_t i = 0; i < n.uses.size(); ++i) {
@@ -196,7 +209,8 @@ class Simulator {
             } else if (!on_host(n.uses[i].ref.buf.get())) {
               out.bytes += touch(n.uses[i].ref.buf.get(), n.uses[i].ref.meta.extent_bytes());
             }
-          } else if (bd.bind == Bind::kNarrow && (bd.outer != 1 || copied_in(n, n.uses[i])) && !held_ahead(pn, i)) {
+          } else if (bd.bind == Bind::kNarrow && (bd.outer != 1 || copied_in(n, n.uses[i])) && !held_ahead(pn, i) &&
+                     !kept_read(j, i)) {
             // A gathered copy, or the chunk's rows of a host-held value copied to the device.
             copies.per_row += bytes_per_row(n.uses[i].ref.meta, bd, st.batch);
           }
@@ -212,7 +226,9 @@ class Simulator {
           } else if (bd.bind == Bind::kNarrow || bd.bind == Bind::kDiscard) {
             // The kernel's own output lives until it is copied into place (or dropped).
             int64_t row = bytes_per_row(m, bd, st.batch);
-            if (row > 0) {
+            if (row > 0 && kept_def(j, i)) {
+              out.per_row += row; // (until its last reader in the chunk)
+            } else if (row > 0) {
               transient.per_row += row;
             } else {
               transient.bytes += static_cast<int64_t>(n.defs[i].ref.buf->nbytes.load());
@@ -244,6 +260,10 @@ class Simulator {
         for (int32_t slot : pn.free_slots) {
           if (live[slot] == 1) cur_ -= slot_bytes(slot);
           live[slot] = 0;
+        }
+        for (const KeptRows& k : kept) {
+          if (k.last == j) cur_.per_row -= bytes_per_row(st.nodes[k.writer].node->defs[k.def].ref.meta,
+                                                         st.nodes[k.writer].defs[k.def], st.batch);
         }
       }
       for (size_t i = 0; i < live.size(); ++i) {

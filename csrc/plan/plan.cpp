@@ -7,6 +7,7 @@
 
 #include "core/config.h"
 #include "ops/op_rules.h"
+#include "plan/localize.h"
 #include "plan/timing.h"
 
 namespace lazymem {
@@ -90,6 +91,80 @@ bool copied_ahead(const Stage& st, const PlannedNode& pn, size_t i) {
   return true;
 }
 
+namespace {
+
+// Whether `v` is dense and row-major (dims of one element aside).
+bool dense(const TensorMeta& v) {
+  int64_t expect = 1;
+  for (size_t d = v.sizes.size(); d-- > 0;) {
+    if (v.sizes[d] == 1) continue;
+    if (v.strides[d] != expect) return false;
+    expect *= v.sizes[d];
+  }
+  return true;
+}
+
+// Whether the reader's rows of a value (view `um` bound by `ub`) are elements of the writer's rows
+// (`dm` bound by `db`), one dense range, for any chunk: checked on the first row, the second, and both
+// (offsets and extents are affine in the rows).
+bool within_rows(const TensorMeta& dm, const Bound& db, const TensorMeta& um, const Bound& ub, int64_t rows) {
+  if (dm.dtype != um.dtype || dm.conj != um.conj || dm.neg != um.neg) return false;
+  const std::pair<int64_t, int64_t> samples[] = {{0, 1}, {1, 1}, {0, 2}};
+  for (const auto& [first, count] : samples) {
+    if (first + count > rows) break;
+    const TensorMeta d = narrow_rows(dm, db.dim, db.unit, first, count);
+    const TensorMeta u = narrow_rows(um, ub.dim, ub.unit, first, count);
+    if (!dense(d)) return false;
+    int64_t span = 0;
+    for (size_t k = 0; k < u.sizes.size(); ++k) {
+      if (u.sizes[k] == 0) return true; // (no elements)
+      if (u.strides[k] < 0) return false;
+      span += (u.sizes[k] - 1) * u.strides[k];
+    }
+    if (u.offset < d.offset || u.offset + span >= d.offset + d.numel()) return false;
+  }
+  return true;
+}
+
+} // namespace
+
+std::vector<KeptRows> kept_rows(const Stage& st, c10::function_ref<bool(const LazyBuffer*)> on_host) {
+  std::vector<KeptRows> out;
+  if (!st.loop) return out;
+  for (size_t j = 0; j < st.nodes.size(); ++j) {
+    const PlannedNode& w = st.nodes[j];
+    if (w.defs.empty() || w.node->random || w.rng_block > 0 || w.rng_stream || w.node->row_keyed) continue;
+    for (size_t i = 0; i < w.defs.size(); ++i) {
+      const Bound& db = w.defs[i];
+      const Def& d = w.node->defs[i];
+      const LazyBuffer* b = d.ref.buf.get();
+      if (db.bind != Bind::kNarrow || db.outer != 1 || db.dim < 0 || !on_host(b)) continue;
+      if (i < w.post_div.size() && w.post_div[i] != 0) continue;
+      const int64_t rows = db.map.identity() ? st.batch : db.map.n;
+      KeptRows k{j, i, j, {}};
+      for (size_t n = j + 1; n < st.nodes.size(); ++n) {
+        const PlannedNode& r = st.nodes[n];
+        bool writes = false; // a node writing the value reads it as eager does, aliased: not from the kept rows
+        for (const Use& u : r.node->uses) writes = writes || (u.write && u.ref.buf.get() == b);
+        for (const Def& e : r.node->defs) writes = writes || e.ref.buf.get() == b;
+        if (writes) break; // (and what it writes is a later version)
+        for (size_t u = 0; u < r.uses.size(); ++u) {
+          const Use& use = r.node->uses[u];
+          const Bound& ub = r.uses[u];
+          if (use.ref.buf.get() != b || use.ref.version != d.ref.version || ub.bind != Bind::kNarrow || ub.outer != 1 ||
+              ub.dim < 0 || ub.map != db.map || !within_rows(d.ref.meta, db, use.ref.meta, ub, rows)) {
+            continue;
+          }
+          k.readers.emplace_back(n, u);
+          k.last = n;
+        }
+      }
+      if (!k.readers.empty()) out.push_back(std::move(k));
+    }
+  }
+  return out;
+}
+
 std::vector<StageTransfers> plan_transfers(const Plan& plan) {
   std::vector<const LazyBuffer*> host;
   auto on_host = [&](const LazyBuffer* b) {
@@ -103,6 +178,8 @@ std::vector<StageTransfers> plan_transfers(const Plan& plan) {
       if (f.host) host.push_back(f.buf);
     }
     const int64_t runs = st.loop ? st.chunks() : 1;
+    std::vector<std::pair<size_t, size_t>> kept; // reads of rows the chunk wrote there: no copy
+    for (const KeptRows& k : kept_rows(st, on_host)) kept.insert(kept.end(), k.readers.begin(), k.readers.end());
     auto note = [&](const LazyBuffer* b, int64_t bytes) {
       for (auto& [v, n] : t.values) {
         if (v == b) {
@@ -126,6 +203,10 @@ std::vector<StageTransfers> plan_transfers(const Plan& plan) {
           continue;
         }
         if (!on_host(u.ref.buf.get())) continue;
+        if (std::find(kept.begin(), kept.end(), std::make_pair(static_cast<size_t>(&pn - st.nodes.data()), i)) !=
+            kept.end()) {
+          continue;
+        }
         // Rows of the chunk (the view's bytes over the pass), or the whole view per chunk.
         const int64_t in = whole ? view * runs : view, copies = st.loop ? runs : 1;
         if (!u.write_only) t.h2d += in;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <c10/util/ArrayRef.h>
+#include <c10/util/FunctionRef.h>
 
 #include "ir/node.h"
 #include "ops/placement.h"
@@ -222,6 +223,21 @@ struct Plan {
 // start crossing once the node has read this chunk's): rows of the chunk, read only, of a value no
 // node of the stage writes. The memory model holds one such copy per use across the whole loop.
 bool copied_ahead(const Stage& st, const PlannedNode& pn, size_t i);
+
+// Rows a loop writes into a value held in host memory and reads again in the same chunk (a result the
+// user keeps, such as logits, assembled in host memory while the loss reads it): the kernel's result
+// for the chunk stays on the device from its writer (node `writer`, def `def` of st.nodes) through
+// its last reader (node `last`), and those readers take it rather than copying the rows back in
+// (execute/bind.h). A reader qualifies when it reads, and does not write, the version written, the
+// same rows of the batch, and elements all within the writer's rows, which are one dense range (so a
+// view of the kernel's result is the reader's view). Not for random writers or results divided after
+// their kernel (post_div). The memory model holds the rows from the writer through the last reader.
+struct KeptRows {
+  size_t writer = 0, def = 0, last = 0;
+  std::vector<std::pair<size_t, size_t>> readers; // (node, use) of st.nodes, in order
+};
+// In loop stage `st`, with `on_host` telling which buffers are held in host memory there.
+std::vector<KeptRows> kept_rows(const Stage& st, c10::function_ref<bool(const LazyBuffer*)> on_host);
 
 // The copies across the host/device boundary one stage makes (execute/transfer.h): host-held values
 // its kernels read (their chunks' rows, or whole per node run) and write back, uploads into device

@@ -269,6 +269,7 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_set_pipeline_batch", [](uint64_t n) { config().pipeline_batch = n; }); // 0: the default
   m.def("_set_chunk_node_ns", [](int64_t ns) { config().chunk_node_ns = ns; });    // -1: the device's
+  m.def("_set_async_copy_out", [](int on) { config().async_copy_out = on < 0 ? -1 : on > 0; }); // -1: the device's
   flush_hooks().without_gil = [](const std::function<void()>& wait) {
     if (Py_IsInitialized() && PyGILState_Check()) {
       py::gil_scoped_release nogil;

@@ -484,12 +484,14 @@ def test_batch_norm_takes_cudnns_kernel_and_matches_eager_bitwise(memory_format)
 # --- host and device memory on the backing device ---------------------------------------------------
 
 
-def test_a_value_held_in_host_memory_crosses_both_ways_on_the_backing_device():
+@pytest.mark.parametrize("async_out", [0, 1])
+def test_a_value_held_in_host_memory_crosses_both_ways_on_the_backing_device(async_out):
     """Under a 6 MiB budget a 16 MiB result the user holds, read by a second program, is assembled in
-    host memory (pinned on CUDA: device-to-host copies) and a third program reads it chunk by chunk,
-    each chunk's rows copied to the device while the chunk before computes (on CUDA: a copy stream,
-    the compute stream waiting on the copy's event). Eager's values on the backing device. On CUDA
-    eight times both (a plan there leaves 22 MiB of its budget to the caching allocator's segments)."""
+    host memory (pinned on CUDA: device-to-host copies; with async_out, on the copy stream after the
+    compute stream's event, not waited for until the run ends) and a third program reads it chunk by
+    chunk, each chunk's rows copied to the device while the chunk before computes (on CUDA: a copy
+    stream, the compute stream waiting on the copy's event). Eager's values on the backing device. On
+    CUDA eight times both (a plan there leaves 22 MiB of its budget to the caching allocator's segments)."""
     torch.manual_seed(0)
     scale = 8 if BACKING == "cuda" else 1
     xh = torch.randn(2048 * scale, 1024, dtype=torch.float64)
@@ -499,6 +501,7 @@ def test_a_value_held_in_host_memory_crosses_both_ways_on_the_backing_device():
     # matmuls, the pipeline's worker included)
     budget = (6 << 20) * scale + _C._device_bytes_held()
     torch_lazymem.set_memory_budget(budget)
+    _C._set_async_copy_out(async_out)
     try:
         y = xh.to("lazymem").tanh()
         y.sum().item()  # y stays pending (recomputed per chunk when read)
@@ -510,8 +513,10 @@ def test_a_value_held_in_host_memory_crosses_both_ways_on_the_backing_device():
         s2, text = torch_lazymem.stats(), torch_lazymem.explain(print_it=False)
     finally:
         torch_lazymem.set_memory_budget(None)
+        _C._set_async_copy_out(-1)
     torch.testing.assert_close(first, want_first)
     torch.testing.assert_close(got, want)
     assert s1["values_in_host_memory"] >= 1 and s1["d2h_bytes"] >= xh.nbytes, s1
+    assert s1["d2h_behind"] == (s1["d2h_copies"] if async_out else 0), s1
     assert s2["h2d_bytes"] == xh.nbytes and s2["chunks"] >= 3 and s2["h2d_ahead"] == s2["chunks"], (s2, text)
     assert s2["peak_bytes"] <= budget, s2

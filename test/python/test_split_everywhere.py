@@ -258,7 +258,7 @@ def clip_program(B, hidden=32, clip="norm"):
         m = copy.deepcopy(model).to(dev)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
         out = []
-        for step in range(2):
+        for _step in range(2):
             loss = F.cross_entropy(m(x.to(dev)), y.to(dev))
             loss.backward()
             if clip == "norm":

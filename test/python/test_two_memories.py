@@ -248,3 +248,86 @@ def test_a_held_result_goes_to_host_memory_where_chunks_cost_more_than_its_copy(
         assert moved == (node_ns > 0), text
         assert (stats["values_in_host_memory"] > 0) == (node_ns > 0), (stats, text)
     assert runs[1_000_000][0]["chunks"] < runs[0][0]["chunks"], (runs[1_000_000][1], runs[0][1])
+
+
+def test_a_value_assembled_in_host_memory_goes_out_while_the_next_chunk_computes():
+    """y = tanh(x) (16 MiB under a 6 MiB device) is assembled in host memory chunk by chunk, and the
+    executor does not wait for each chunk's copy out (DESIGN.md §3): the link carries it while the next
+    chunk computes. With the boundary checked (this suite) the bytes land in host memory only when
+    something waits for them, as on a real link, so the next program's copies in, the user's read and
+    the value's reads on the host are eager's only because each of them waits. Synchronous copies
+    (LAZYMEM_ASYNC_COPY_OUT=0) give the same bytes."""
+    torch.manual_seed(0)
+    xh = torch.randn(2048, 1024, dtype=torch.float64)
+    got = {}
+    for async_out in (1, 0):
+        torch_lazymem._C._set_async_copy_out(async_out)
+        try:
+            with simulated_device("6MiB", link="1GB/s"):
+                torch_lazymem.reset_stats()
+                y = held_in_host_memory(xh)
+                s = torch_lazymem.stats()
+                got[async_out] = (y.cpu(), (y[::3] * 2).sum().item(), s)
+        finally:
+            torch_lazymem._C._set_async_copy_out(-1)
+    (y1, r1, s1), (y0, r0, s0) = got[1], got[0]
+    assert s1["values_in_host_memory"] >= 1 and s1["d2h_behind"] == s1["d2h_copies"] >= 3, s1
+    assert s1["h2d_bytes"] == 2 * xh.nbytes, s1  # x twice; none of y comes back (rows kept on the device)
+    assert s0["d2h_behind"] == 0 and s0["d2h_copies"] == s1["d2h_copies"], s0
+    assert torch.equal(y1, y0) and r1 == r0
+    torch.testing.assert_close(y1, xh.tanh())
+    torch.testing.assert_close(torch.tensor(r1, dtype=torch.float64), (xh.tanh()[::3] * 2).sum())
+
+
+@pytest.mark.parametrize("failure", range(1, 16, 2))
+def test_an_allocation_failure_with_copies_out_in_flight_loses_nothing(failure):
+    """The n-th allocation of the program that assembles y in host memory fails while earlier chunks'
+    copies out are still in flight (the chunk runs again smaller and writes its rows out again, after
+    them): eager's value, or a lazymem out-of-memory error after which nothing is lost."""
+    from torch_lazymem.testing import fail_allocation, injected_failures
+
+    torch.manual_seed(0)
+    xh = torch.randn(2048, 1024, dtype=torch.float64)
+    with simulated_device("6MiB", link="25GB/s"):
+        y = xh.to("lazymem").tanh()
+        total = y.sum()
+        fired = injected_failures()
+        fail_allocation(failure)
+        try:
+            got = total.item()
+        except torch.OutOfMemoryError as e:
+            assert "lazymem" in str(e)
+            got = total.item()
+        assert injected_failures() == fired + 1
+        y.cos().sum().item()
+        held = y.cpu()
+        assert torch_lazymem.stats()["values_in_host_memory"] >= 1
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), xh.tanh().sum())
+    torch.testing.assert_close(held, xh.tanh())
+
+
+@pytest.mark.parametrize("read", ["same", "view", "strided"])
+def test_rows_written_to_host_memory_are_read_again_from_the_device_in_their_chunk(read):
+    """A pass assembles y (16 MiB under a 6 MiB device) in host memory and reads it in the same chunk
+    (the loss reading logits the user keeps): the reader takes the kernel's result for the chunk's rows
+    still on the device (as it is, through another view, or strided), rather than the rows copied out
+    and back in; the memory model holds those rows from the writer to the reader, so the measured peak
+    is the prediction. Only x's rows cross in; y's go out once; eager's values."""
+    reader = {"same": lambda y: y.cos(), "view": lambda y: y.view(-1, 512).cos() * 3,
+              "strided": lambda y: y[:, ::2].cos()}[read]
+    torch.manual_seed(0)
+    xh = torch.randn(2048, 1024, dtype=torch.float64)
+    with simulated_device("6MiB", link="25GB/s"):
+        y = xh.to("lazymem").tanh()
+        y.sum().item()  # (y stays pending)
+        torch_lazymem.reset_stats()
+        torch.lazymem.reset_peak_memory_stats()
+        got = reader(y).sum().item()
+        s = torch_lazymem.stats()
+        peak = torch.lazymem.max_memory_allocated()
+        held = y.cpu()
+    assert s["values_in_host_memory"] == 1 and s["chunks"] >= 3, s
+    assert s["d2h_bytes"] == xh.nbytes and s["h2d_bytes"] == xh.nbytes, s
+    assert peak == s["predicted_peak_bytes"] and peak <= 6 * MIB, (peak, s)
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), reader(xh.tanh()).sum())
+    torch.testing.assert_close(held, xh.tanh())
