@@ -69,6 +69,7 @@ std::map<std::string, int64_t> Stats::snapshot() const {
       {"copy_wait_ns", ld(copy_wait_ns)},
       {"d2h_behind", ld(d2h_behind)},
       {"copy_out_wait_ns", ld(copy_out_wait_ns)},
+      {"kept_reads", ld(kept_reads)},
       {"cuda_graph_captures", ld(cuda_graph_captures)},
       {"cuda_graph_replays", ld(cuda_graph_replays)},
       {"cuda_graph_nodes", ld(cuda_graph_nodes)},
@@ -127,6 +128,7 @@ void Stats::reset() {
   copy_wait_ns = 0;
   d2h_behind = 0;
   copy_out_wait_ns = 0;
+  kept_reads = 0;
   cuda_graph_captures = 0;
   cuda_graph_replays = 0;
   cuda_graph_nodes = 0;

@@ -62,6 +62,7 @@ struct Stats {
   std::atomic<uint64_t> copy_wait_ns{0};  // time the executor waited for such copies to end
   std::atomic<uint64_t> d2h_behind{0};    // copies out the executor did not wait for (execute/transfer.h copy_out)
   std::atomic<uint64_t> copy_out_wait_ns{0}; // time spent waiting for them to end (await_copies_out)
+  std::atomic<uint64_t> kept_reads{0};    // reads of rows a chunk wrote to host memory, from the device (plan.h KeptRows)
   // CUDA graphs of reused plans (execute/graphs.h).
   std::atomic<uint64_t> cuda_graph_captures{0};   // pieces of plans captured as graphs
   std::atomic<uint64_t> cuda_graph_replays{0};    // graph launches (a piece's nodes in one launch)

@@ -285,7 +285,10 @@ at::Tensor Binder::use(const PlannedNode& pn, size_t i) {
     return copy_to_device(v);
   }
   if (!kept_.empty() && bd && bd->bind == Bind::kNarrow && !u.write) {
-    if (at::Tensor d = kept_view(pn, i, v); d.defined()) return d;
+    if (at::Tensor d = kept_view(pn, i, v); d.defined()) {
+      stats().kept_reads.fetch_add(1, std::memory_order_relaxed);
+      return d;
+    }
   }
   if (!ahead_.empty() && bd && bd->bind == Bind::kNarrow) {
     if (at::Tensor d = take_ahead(pn, i, v); d.defined()) return d;

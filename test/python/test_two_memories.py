@@ -327,7 +327,7 @@ def test_rows_written_to_host_memory_are_read_again_from_the_device_in_their_chu
         peak = torch.lazymem.max_memory_allocated()
         held = y.cpu()
     assert s["values_in_host_memory"] == 1 and s["chunks"] >= 3, s
-    assert s["d2h_bytes"] == xh.nbytes and s["h2d_bytes"] == xh.nbytes, s
+    assert s["d2h_bytes"] == xh.nbytes and s["h2d_bytes"] == xh.nbytes and s["kept_reads"] == s["chunks"], s
     assert peak == s["predicted_peak_bytes"] and peak <= 6 * MIB, (peak, s)
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), reader(xh.tanh()).sum())
     torch.testing.assert_close(held, xh.tanh())
