@@ -160,11 +160,20 @@ size_t Binder::node_index(const PlannedNode& pn) const {
   return &pn >= first && &pn < first + stage_.nodes.size() ? static_cast<size_t>(&pn - first) : SIZE_MAX;
 }
 
-void Binder::keep(const PlannedNode& pn, size_t i, const at::Tensor& home, const at::Tensor& r) {
+void Binder::keep(const PlannedNode& pn, size_t i, const at::Tensor& home, const at::Tensor& r, const Taken& taken) {
   const size_t j = node_index(pn);
   for (Kept& k : kept_) {
     if (k.rows.writer != j || k.rows.def != i) continue;
-    k.device = r;
+    // Readers view it as dense rows in the order of `home`'s elements, holding `home`'s values: the
+    // kernel's result as it is when it is that and nothing else holds its memory (an operand it
+    // aliases may be updated before a reader), else a dense copy (made inside the node's measured
+    // window: the executor learns it as the node's workspace).
+    const c10::StorageImpl* rs = r.has_storage() ? r.storage().unsafeGetStorageImpl() : nullptr;
+    const bool as_is = rs && r.is_contiguous() && r.sizes().equals(home.sizes()) &&
+        r.scalar_type() == home.scalar_type() && !r.is_conj() && !r.is_neg() &&
+        !r.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::ZeroTensor, c10::DispatchKey::Python})) &&
+        std::find(taken.begin(), taken.end(), rs) == taken.end();
+    k.device = as_is ? r : at::empty(home.sizes(), home.options().device(backing_device())).copy_(r);
     k.home = home;
   }
 }
@@ -423,7 +432,7 @@ void Binder::def(const PlannedNode& pn, size_t i, const at::Tensor& r, Taken& ta
     }
     const at::Tensor dst = real_view(b, m);
     store(b, dst, r);
-    if (!kept_.empty() && b.real_on_host) keep(pn, i, dst, r);
+    if (!kept_.empty() && b.real_on_host) keep(pn, i, dst, r, taken);
     return;
   }
   // kLocal / kPartial: the slot's storage.

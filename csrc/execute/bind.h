@@ -133,7 +133,8 @@ class Binder {
   std::vector<Kept> kept_;
   bool kept_known_ = false;
   size_t node_index(const PlannedNode& pn) const; // in stage_.nodes (SIZE_MAX: not one of them)
-  void keep(const PlannedNode& pn, size_t i, const at::Tensor& home, const at::Tensor& r);
+  void keep(const PlannedNode& pn, size_t i, const at::Tensor& home, const at::Tensor& r,
+            const c10::SmallVector<const c10::StorageImpl*, 8>& taken);
   at::Tensor kept_view(const PlannedNode& pn, size_t i, const at::Tensor& home) const;
   std::vector<std::pair<const PlannedNode*, size_t>> aheadable_; // uses copied ahead in this loop
   std::vector<Ahead> ahead_;

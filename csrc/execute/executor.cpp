@@ -437,6 +437,7 @@ class Walker final : public StageWalk {
   // Puts `view`'s contents in the undo log: in host memory (counted there), or `beside` it on the
   // device. False, out of memory recorded, when the copy cannot be made.
   bool save_view(const at::Tensor& view, bool beside, const PlannedNode& pn, size_t k, const char* what) {
+    await_copies_out(view.storage().unsafeGetStorageImpl()); // (rows of a host-held value: as they are)
     try {
       if (beside) {
         saved_.push_back(SavedRows{view, view.clone()});
@@ -469,6 +470,7 @@ class Walker final : public StageWalk {
 
   // Puts back the rows saved since `from`, newest first.
   void restore_rows(size_t from) {
+    if (saved_.size() > from) await_copies_out(); // (a copy out landing later would undo the restore)
     for (size_t i = saved_.size(); i-- > from;) saved_[i].view.copy_(saved_[i].rows);
     saved_.resize(from);
   }

@@ -69,6 +69,7 @@ void ensure_real(LazyBuffer& b, size_t need) {
   bytes.sizes = {static_cast<int64_t>(b.real.nbytes())};
   bytes.strides = {1};
   at::Tensor old_view = real_view(b, bytes);
+  if (b.real_on_host) await_copies_out(b.real.unsafeGetStorageImpl()); // (read on the host)
   c10::Storage old = b.real;
   b.set_real(grown);
   {

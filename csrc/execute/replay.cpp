@@ -276,6 +276,7 @@ void replay(const PlannedNode& pn, Binder& binder, torch::jit::Stack& stack) {
     // An upload is the copy from host memory itself: into its destination's home, wherever that is.
     const bool upload_dst = n.upload && u.write;
     at::Tensor v = upload_dst ? binder.home(pn, i) : binder.use(pn, i);
+    if (upload_dst && u.ref.buf->real_on_host) await_copies_out(v.storage().unsafeGetStorageImpl()); // (written on the host)
     if (check && !upload_dst) check_on_device(v, n, "operand", i);
     taken.push_back(v.storage().unsafeGetStorageImpl());
     place(stack, u.arg, u.elem, c10::IValue(std::move(v)));

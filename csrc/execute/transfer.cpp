@@ -5,6 +5,7 @@
 #include <atomic>
 #include <iterator>
 #include <chrono>
+#include <exception>
 #include <mutex>
 #include <thread>
 #include <utility>
@@ -92,10 +93,12 @@ c10::Stream copy_stream(const c10::Device& dev) {
 PendingCopy::PendingCopy(const at::Tensor& host)
     : host_(host), bytes_(static_cast<int64_t>(host.numel() * host.element_size())) {
   const c10::Device dev = backing_device();
+  // The one copy stream orders a copy in after the copies out before it; not a source that is no dense
+  // view, which ATen's copy_ first makes contiguous on the host, now.
+  if (dev.is_cpu() || !host.is_contiguous()) await_copies_out(host.storage().unsafeGetStorageImpl());
   device_ = at::empty(host.sizes(), host.options().device(dev)); // charged now, on the compute stream
   stats().h2d_ahead.fetch_add(1, std::memory_order_relaxed);
   if (dev.is_cpu()) {
-    await_copies_out(host.storage().unsafeGetStorageImpl()); // (on a stream the one copy stream orders them)
     // The simulated device's copy engine: the bytes are in place now (host and device are both this
     // machine's memory, and a memcpy on the thread that runs kernels keeps every allocation and every
     // kernel's threads where they would be without it); the copy is done when the modeled link has
@@ -196,7 +199,8 @@ struct CopyOut {
 
 std::mutex g_out_mu;
 std::vector<CopyOut> g_out;
-std::atomic<size_t> g_out_count{0};
+std::atomic<size_t> g_out_count{0}; // copies issued and not yet ended (in g_out, or being waited for)
+std::mutex g_await_mu;              // one waiter at a time: no waiter returns while another holds its copies
 
 bool destined_for(const CopyOut& c, const c10::StorageImpl* dst) {
   return !dst || c.host.storage().unsafeGetStorageImpl() == dst;
@@ -254,34 +258,41 @@ void copy_out(const at::Tensor& host, const at::Tensor& device) {
   stats().d2h_behind.fetch_add(1, std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(g_out_mu);
   g_out.push_back(std::move(c));
-  g_out_count.store(g_out.size(), std::memory_order_release);
+  g_out_count.fetch_add(1, std::memory_order_acq_rel);
 }
 
 void await_copies_out(const c10::StorageImpl* dst) {
   if (g_out_count.load(std::memory_order_acquire) == 0) return;
+  std::lock_guard<std::mutex> waiting(g_await_mu);
   std::vector<CopyOut> due;
   {
     std::lock_guard<std::mutex> lock(g_out_mu);
     auto keep = std::stable_partition(g_out.begin(), g_out.end(), [&](const CopyOut& c) { return !destined_for(c, dst); });
     std::move(keep, g_out.end(), std::back_inserter(due));
     g_out.erase(keep, g_out.end());
-    g_out_count.store(g_out.size(), std::memory_order_release);
   }
   const auto t0 = Clock::now();
+  std::exception_ptr failed; // (every copy is waited for, then the first failure raised)
   for (CopyOut& c : due) { // (in issue order: two copies into one place land as issued)
-    if (c.ended) {
-      c.ended->synchronize();
-      try {
-        const double ms = c.began->elapsedTime(*c.ended);
-        observe_copy(c.bytes, ms / 1e3);
-        stats().d2h_ns.fetch_add(static_cast<uint64_t>(ms * 1e6), std::memory_order_relaxed);
-      } catch (const c10::Error&) { // NOLINT(bugprone-empty-catch): untimed events: nothing learned
+    try {
+      if (c.ended) {
+        c.ended->synchronize();
+        try {
+          const double ms = c.began->elapsedTime(*c.ended);
+          observe_copy(c.bytes, ms / 1e3);
+          stats().d2h_ns.fetch_add(static_cast<uint64_t>(ms * 1e6), std::memory_order_relaxed);
+        } catch (const c10::Error&) { // NOLINT(bugprone-empty-catch): untimed events: nothing learned
+        }
+      } else {
+        if (c.finish > Clock::now()) std::this_thread::sleep_until(c.finish);
+        if (c.stash.defined()) c.host.copy_(c.stash);
       }
-      continue;
+    } catch (...) {
+      if (!failed) failed = std::current_exception();
     }
-    if (c.finish > Clock::now()) std::this_thread::sleep_until(c.finish);
-    if (c.stash.defined()) c.host.copy_(c.stash);
+    g_out_count.fetch_sub(1, std::memory_order_acq_rel);
   }
+  if (failed) std::rethrow_exception(failed);
   stats().copy_out_wait_ns.fetch_add(
       static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count()),
       std::memory_order_relaxed);

@@ -104,26 +104,42 @@ bool dense(const TensorMeta& v) {
   return true;
 }
 
+// The offset of the reader's first element past the writer's rows' first, and the reader's last
+// element's distance from its first (-1: none), for rows [first, first + count).
+std::pair<int64_t, int64_t> reach(const TensorMeta& dm, const Bound& db, const TensorMeta& um, const Bound& ub,
+                                  int64_t first, int64_t count) {
+  const TensorMeta d = narrow_rows(dm, db.dim, db.unit, first, count);
+  const TensorMeta u = narrow_rows(um, ub.dim, ub.unit, first, count);
+  int64_t span = 0;
+  for (size_t k = 0; k < u.sizes.size(); ++k) {
+    if (u.sizes[k] == 0) return {0, -1};
+    span += (u.sizes[k] - 1) * std::max<int64_t>(u.strides[k], 0);
+  }
+  return {u.offset - d.offset, span};
+}
+
 // Whether the reader's rows of a value (view `um` bound by `ub`) are elements of the writer's rows
-// (`dm` bound by `db`), one dense range, for any chunk: checked on the first row, the second, and both
-// (offsets and extents are affine in the rows).
+// (`dm` bound by `db`), one dense range, in every chunk. The writer's rows hold `per` elements a row;
+// the reader's start `delta` elements into them and reach `slope` elements further a row, plus `base`:
+// all affine in the rows, so two rows tell it: the same delta for a chunk starting at row 0 or 1 (the
+// reader's rows start where the writer's do), and delta + span < the writer's elements for one row and
+// for every count (slope <= per).
 bool within_rows(const TensorMeta& dm, const Bound& db, const TensorMeta& um, const Bound& ub, int64_t rows) {
   if (dm.dtype != um.dtype || dm.conj != um.conj || dm.neg != um.neg) return false;
-  const std::pair<int64_t, int64_t> samples[] = {{0, 1}, {1, 1}, {0, 2}};
-  for (const auto& [first, count] : samples) {
-    if (first + count > rows) break;
-    const TensorMeta d = narrow_rows(dm, db.dim, db.unit, first, count);
-    const TensorMeta u = narrow_rows(um, ub.dim, ub.unit, first, count);
-    if (!dense(d)) return false;
-    int64_t span = 0;
-    for (size_t k = 0; k < u.sizes.size(); ++k) {
-      if (u.sizes[k] == 0) return true; // (no elements)
-      if (u.strides[k] < 0) return false;
-      span += (u.sizes[k] - 1) * u.strides[k];
-    }
-    if (u.offset < d.offset || u.offset + span >= d.offset + d.numel()) return false;
+  for (int64_t s : um.strides) {
+    if (s < 0) return false;
   }
-  return true;
+  const TensorMeta d1 = narrow_rows(dm, db.dim, db.unit, 0, 1);
+  if (!dense(d1)) return false;
+  const auto [delta, span1] = reach(dm, db, um, ub, 0, 1);
+  if (span1 < 0 || delta < 0 || delta + span1 >= d1.numel()) return false;
+  if (rows < 2) return true;
+  if (!dense(narrow_rows(dm, db.dim, db.unit, 0, 2))) return false;
+  const auto [delta1, span_at1] = reach(dm, db, um, ub, 1, 1);
+  const auto [delta2, span2] = reach(dm, db, um, ub, 0, 2);
+  const int64_t per = d1.numel();
+  return delta1 == delta && span_at1 == span1 && delta2 == delta && span2 >= 0 && span2 - span1 <= per &&
+      delta + span2 < 2 * per;
 }
 
 } // namespace

@@ -26,6 +26,8 @@ def test_accounting_is_byte_exact():
 
 
 def test_intermediates_are_freed_after_their_last_use():
+    gc.collect()  # (what earlier tests in this worker left in reference cycles)
+    base = torch.lazymem.memory_allocated()
     x = torch.randn(256, 1024, device="lazymem")  # 1 MiB
     y = x
     for _ in range(20):
@@ -33,11 +35,11 @@ def test_intermediates_are_freed_after_their_last_use():
     torch.lazymem.reset_peak_memory_stats()
     y.sum().item()
     peak = torch_lazymem.stats()["peak_bytes"]
-    assert peak <= 3 * MiB + 4096, peak  # x, one live temporary and the one being produced
-    assert torch.lazymem.max_memory_allocated() <= 3 * MiB + 4096
+    assert peak <= base + 3 * MiB + 4096, (peak, base)  # x, one live temporary and the one being produced
+    assert torch.lazymem.max_memory_allocated() <= base + 3 * MiB + 4096
     del x, y
     gc.collect()
-    assert torch.lazymem.memory_allocated() == 0
+    assert torch.lazymem.memory_allocated() == base
 
 
 def test_memory_returns_to_baseline():

@@ -331,3 +331,46 @@ def test_rows_written_to_host_memory_are_read_again_from_the_device_in_their_chu
     assert peak == s["predicted_peak_bytes"] and peak <= 6 * MIB, (peak, s)
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), reader(xh.tanh()).sum())
     torch.testing.assert_close(held, xh.tanh())
+
+
+@pytest.mark.parametrize("failure", range(1, 16, 2))
+def test_an_in_place_update_of_a_host_held_value_that_runs_out_of_memory_is_applied_once(failure):
+    """y, held in host memory, is read (b = 3y), updated in place chunk by chunk (each chunk's rows
+    copied in, doubled, and copied out without waiting), then the chunk reads b only, and the n-th
+    allocation fails: the loop's undo log puts back y's rows only once the copies out into them have
+    landed (else the copy landing after the restore doubles them again on the retry)."""
+    from torch_lazymem.testing import fail_allocation
+
+    torch.manual_seed(0)
+    xh = torch.randn(2048, 1024, dtype=torch.float64)
+    with simulated_device("6MiB", link="25GB/s"):
+        y = held_in_host_memory(xh)
+        b = y * 3
+        y.mul_(2)
+        total = b.exp().sum()
+        fail_allocation(failure)
+        try:
+            got = total.item()
+        except torch.OutOfMemoryError as e:
+            assert "lazymem" in str(e)
+            got = total.item()
+        held = y.cpu()
+    torch.testing.assert_close(held, xh.tanh() * 2)
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), (xh.tanh() * 3).exp().sum())
+
+
+def test_an_upload_into_a_host_held_value_lands_after_the_copies_out_before_it():
+    """y, held in host memory, is doubled chunk by chunk (copies out not waited for), then half of each
+    row is overwritten from a CPU tensor (an upload: written into y's home on the host directly): the
+    upload waits for the copies out into y, so none of them lands over it later."""
+    torch.manual_seed(0)
+    xh = torch.randn(2048, 1024, dtype=torch.float64)
+    zh = torch.randn(2048, 512, dtype=torch.float64)
+    with simulated_device("6MiB", link="25GB/s"):
+        y = held_in_host_memory(xh)
+        y.mul_(2)
+        y[:, :512].copy_(zh)
+        got = y.cpu()
+    want = xh.tanh() * 2
+    want[:, :512] = zh
+    torch.testing.assert_close(got, want)
