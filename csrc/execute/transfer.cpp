@@ -3,9 +3,9 @@
 
 #include <algorithm>
 #include <atomic>
-#include <iterator>
 #include <chrono>
 #include <exception>
+#include <iterator>
 #include <mutex>
 #include <thread>
 #include <utility>
