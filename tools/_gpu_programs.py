@@ -41,6 +41,15 @@ SPEED = size([("gpt2 4x256 16x128", 4, {}, 16, 128), ("gpt2 4x256 64x256", 4, {}
 
 
 
+class Skip(Exception):
+    """An item that cannot run here: its row says skip, with the reason."""
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:200]
+
+
 def ok(passed: bool, figures: Result) -> tuple[str, Result]:
     """A check's row: ok or FAIL, and its figures."""
     return ("ok" if passed else "FAIL"), figures
