@@ -143,6 +143,22 @@ def test_a_node_that_fails_leaves_no_device_copy_for_the_next():
     torch.testing.assert_close(got, xh.tanh()[4:8] * 2)  # (tanh ran split: float64 tolerance)
 
 
+def item_despite_one_failure(t, failure):
+    """t.item() with the `failure`-th allocation failing (fired once): the value, read again after a
+    lazymem out-of-memory error when the failure was one it could not absorb."""
+    from torch_lazymem.testing import fail_allocation, injected_failures
+
+    fired = injected_failures()
+    fail_allocation(failure)
+    try:
+        got = t.item()
+    except torch.OutOfMemoryError as e:
+        assert "lazymem" in str(e)
+        got = t.item()
+    assert injected_failures() == fired + 1
+    return got
+
+
 def held_in_host_memory(xh):
     """y = tanh(x) (as large as x) made under a device that cannot hold it, held by the user:
     assembled in host memory, so later programs read it chunk by chunk across the boundary."""
@@ -179,23 +195,14 @@ def test_an_allocation_failure_with_a_copy_in_flight_loses_nothing(failure):
     """The n-th allocation fails while copies started ahead are in flight (the chunk runs again
     smaller: copies of rows that no longer come are dropped once they end, and its rows are copied
     again): eager's value, or a lazymem out-of-memory error after which nothing is lost."""
-    from torch_lazymem.testing import fail_allocation, injected_failures
-
     torch.manual_seed(0)
     xh = torch.randn(2048, 1024, dtype=torch.float64)
     want = (xh.tanh() * 2).exp().sin().sum()
     with simulated_device("6MiB", link="25GB/s"):
         y = held_in_host_memory(xh)
         z = (y * 2).exp().sin().sum()
-        fired = injected_failures()
-        fail_allocation(failure)
-        try:
-            got = z.item()
-        except torch.OutOfMemoryError as e:
-            assert "lazymem" in str(e)
-            got = z.item()
+        got = item_despite_one_failure(z, failure)
         assert torch.lazymem.max_memory_allocated() <= 6 * MIB
-        assert injected_failures() == fired + 1
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want)
 
 
@@ -274,7 +281,8 @@ def test_a_value_assembled_in_host_memory_goes_out_while_the_next_chunk_computes
     assert s1["values_in_host_memory"] >= 1 and s1["d2h_behind"] == s1["d2h_copies"] >= 3, s1
     assert s1["h2d_bytes"] == 2 * xh.nbytes, s1  # x twice; none of y comes back (rows kept on the device)
     assert s0["d2h_behind"] == 0 and s0["d2h_copies"] == s1["d2h_copies"], s0
-    assert torch.equal(y1, y0) and r1 == r0
+    assert torch.equal(y1, y0)  # (elementwise: the same bytes whatever the chunking)
+    torch.testing.assert_close(r1, r0)  # (a sum: its chunking may differ between the two runs)
     torch.testing.assert_close(y1, xh.tanh())
     torch.testing.assert_close(torch.tensor(r1, dtype=torch.float64), (xh.tanh()[::3] * 2).sum())
 
@@ -284,21 +292,12 @@ def test_an_allocation_failure_with_copies_out_in_flight_loses_nothing(failure):
     """The n-th allocation of the program that assembles y in host memory fails while earlier chunks'
     copies out are still in flight (the chunk runs again smaller and writes its rows out again, after
     them): eager's value, or a lazymem out-of-memory error after which nothing is lost."""
-    from torch_lazymem.testing import fail_allocation, injected_failures
-
     torch.manual_seed(0)
     xh = torch.randn(2048, 1024, dtype=torch.float64)
     with simulated_device("6MiB", link="25GB/s"):
         y = xh.to("lazymem").tanh()
         total = y.sum()
-        fired = injected_failures()
-        fail_allocation(failure)
-        try:
-            got = total.item()
-        except torch.OutOfMemoryError as e:
-            assert "lazymem" in str(e)
-            got = total.item()
-        assert injected_failures() == fired + 1
+        got = item_despite_one_failure(total, failure)
         y.cos().sum().item()
         held = y.cpu()
         assert torch_lazymem.stats()["values_in_host_memory"] >= 1
@@ -328,7 +327,9 @@ def test_rows_written_to_host_memory_are_read_again_from_the_device_in_their_chu
         held = y.cpu()
     assert s["values_in_host_memory"] == 1 and s["chunks"] >= 3, s
     assert s["d2h_bytes"] == xh.nbytes and s["h2d_bytes"] == xh.nbytes and s["kept_reads"] == s["chunks"], s
-    assert peak == s["predicted_peak_bytes"] and peak <= 6 * MIB, (peak, s)
+    # Measured within the prediction, and near it: rows counted twice or a reader's release learned as
+    # workspace (a chunk's rows of y are 2.7 MiB) would put the prediction far above.
+    assert peak <= s["predicted_peak_bytes"] < peak + MIB and peak <= 6 * MIB, (peak, s)
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), reader(xh.tanh()).sum())
     torch.testing.assert_close(held, xh.tanh())
 
@@ -339,8 +340,6 @@ def test_an_in_place_update_of_a_host_held_value_that_runs_out_of_memory_is_appl
     copied in, doubled, and copied out without waiting), then the chunk reads b only, and the n-th
     allocation fails: the loop's undo log puts back y's rows only once the copies out into them have
     landed (else the copy landing after the restore doubles them again on the retry)."""
-    from torch_lazymem.testing import fail_allocation
-
     torch.manual_seed(0)
     xh = torch.randn(2048, 1024, dtype=torch.float64)
     with simulated_device("6MiB", link="25GB/s"):
@@ -348,12 +347,7 @@ def test_an_in_place_update_of_a_host_held_value_that_runs_out_of_memory_is_appl
         b = y * 3
         y.mul_(2)
         total = b.exp().sum()
-        fail_allocation(failure)
-        try:
-            got = total.item()
-        except torch.OutOfMemoryError as e:
-            assert "lazymem" in str(e)
-            got = total.item()
+        got = item_despite_one_failure(total, failure)
         held = y.cpu()
     torch.testing.assert_close(held, xh.tanh() * 2)
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), (xh.tanh() * 3).exp().sum())
