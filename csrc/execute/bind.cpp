@@ -185,13 +185,12 @@ at::Tensor Binder::kept_view(const PlannedNode& pn, size_t i, const at::Tensor& 
         std::find(k.rows.readers.begin(), k.rows.readers.end(), std::make_pair(j, i)) == k.rows.readers.end()) {
       continue;
     }
-    // The reader's view of the value's storage, as a view of the kernel's result for the writer's
-    // rows (dense, in the order of `k.home`'s elements).
+    // The reader's view of the value's storage, as a view of the kept rows (dense, in the order of
+    // `k.home`'s elements: keep()).
     const int64_t delta = home.storage_offset() - k.home.storage_offset();
     int64_t span = 0;
     for (int64_t d = 0; d < home.dim(); ++d) span += (home.size(d) - 1) * home.stride(d);
-    if (!k.device.is_contiguous() || !k.home.is_contiguous() || !k.device.sizes().equals(k.home.sizes()) ||
-        home.scalar_type() != k.device.scalar_type() || delta < 0 || (home.numel() > 0 && delta + span >= k.home.numel())) {
+    if (!k.home.is_contiguous() || delta < 0 || (home.numel() > 0 && delta + span >= k.home.numel())) {
       return at::Tensor(); // (not expected: kept_rows checked the views)
     }
     return k.device.as_strided(home.sizes(), home.strides(), k.device.storage_offset() + delta);

@@ -31,8 +31,11 @@ void copy_to_host(const at::Tensor& host, const at::Tensor& device);
 // into pinned memory, the copy stream carries them after the compute stream's work so far, and the
 // device temporary's memory is not reused before they are out (record_stream). Elsewhere (pageable
 // memory, off) it is copy_to_host. Every host-side reader or writer of `host` waits first
-// (await_copies_out): the synchronous copies, a gather of host-held rows, and the executor at the end
-// of every run, before anything outside it sees the value.
+// (await_copies_out): the synchronous copies, a gather of host-held rows, an upload into it, the
+// loop's undo log, the growth of its storage, a copy in started ahead (on the simulated device, or of
+// a view that is not dense), and the executor at the end of every run, before anything outside it
+// sees the value. Not Binder::home itself: a chunk's readers of rows it just wrote read them on the
+// device (KeptRows) and must not wait for their copy out.
 void copy_out(const at::Tensor& host, const at::Tensor& device);
 // Waits until the copies out into `dst` (nullptr: every one) have ended and their bytes are in host
 // memory. Cheap when none is in flight.
