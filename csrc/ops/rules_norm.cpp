@@ -142,7 +142,7 @@ bool bn_moments(const RuleCall& c, RuleResult& r) {
   return true;
 }
 
-// bn_backward_reduce(grad_out, x, mean, dtype) -> [2, C], summed over chunks.
+// bn_backward_reduce(grad_out, x, mean, invstd, dtype) -> [2, C], summed over chunks.
 bool bn_backward_reduce(const RuleCall& c, RuleResult& r) {
   if (nothing_batched(c)) return replicated(c, r);
   auto p = batch_of(c, r, {0, 1}, 1);

@@ -274,14 +274,14 @@ bool expand_backward(Analysis& a, int32_t i, bool cudnn) {
   c10::IValue none;
   Builder b{a, n, {}};
   std::vector<bool> loop;
-  TensorRef red = b.one(op("lazymem::bn_backward_reduce", ""), {none, none, none, c10::IValue(dtype)},
-                        {{0, g->ref}, {1, x->ref}, {2, mean->ref}}, stats_meta(channels, dtype));
+  TensorRef red = b.one(op("lazymem::bn_backward_reduce", ""), {none, none, none, none, c10::IValue(dtype)},
+                        {{0, g->ref}, {1, x->ref}, {2, mean->ref}, {3, invstd->ref}}, stats_meta(channels, dtype));
   loop.push_back(true);
   if (gw || gb) {
     std::vector<std::pair<int32_t, TensorRef>> outs;
     if (gw) outs.emplace_back(0, gw->ref);
     if (gb) outs.emplace_back(1, gb->ref);
-    b.node(op("lazymem::bn_backward_params", ""), {none, none}, {{0, red}, {1, invstd->ref}}, std::move(outs));
+    b.node(op("lazymem::bn_backward_params", ""), {none}, {{0, red}}, std::move(outs));
     loop.push_back(false);
   }
   if (gi) {

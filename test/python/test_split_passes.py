@@ -51,6 +51,54 @@ def test_training_batch_norm_splits_exactly(name, chunks):
     assert stats["splits"] >= 3 and stats["passes"] >= 2 and stats["barriers"] == 0
 
 
+def reference_moments(x, dtype):
+    """The split ops' statistics as the composition computes them (any backing device)."""
+    dims = [0, *range(2, x.dim())]
+    var, mean = torch.var_mean(x.to(dtype), dims, correction=0)
+    return torch.stack([var, mean])
+
+
+def reference_backward_sums(g, x, mean, invstd, dtype):
+    dims = [0, *range(2, x.dim())]
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    gd = g.to(dtype)
+    return torch.stack([gd.sum(dims), (gd * (x.to(dtype) - mean.view(shape))).sum(dims) * invstd])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided", "features"])
+@pytest.mark.parametrize("dtype,stats_dtype", [(torch.float64, torch.float64), (torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.float32)])
+def test_a_chunks_batch_norm_sums_are_eagers_own_on_the_cpu(layout, dtype, stats_dtype):
+    """bn_moments and bn_backward_reduce (the statistics a split batch norm merges over chunks) run
+    eager's CPU kernels where they take the operands as they are: the chunk's mean is bitwise the one
+    native_batch_norm saves, and the gradient's sums are native_batch_norm_backward's grad_bias and
+    grad_weight; the other cases (a bfloat16 chunk's backward sums) run the composition. Both equal
+    the composition's formulas."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 5, 4, 3, generator=g, dtype=torch.float64) * 3 + 2
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "strided":
+        x = x[:, :, ::2]
+    elif layout == "features":
+        x = x[:, :, 0, 0]
+    x = x.to(dtype)
+    grad = torch.randn(x.shape, generator=g, dtype=torch.float64).to(dtype)
+    moments = torch.ops.lazymem.bn_moments(x, stats_dtype)
+    torch.testing.assert_close(moments, reference_moments(x, stats_dtype))
+    xd = x.to(stats_dtype)
+    _, save_mean, save_invstd = torch.native_batch_norm(xd, None, None, None, None, True, 0.0, 1e-5)
+    assert torch.equal(moments[1], save_mean)
+    sums = torch.ops.lazymem.bn_backward_reduce(grad, x, save_mean, save_invstd, stats_dtype)
+    torch.testing.assert_close(sums, reference_backward_sums(grad, x, save_mean, save_invstd, stats_dtype))
+    if dtype == stats_dtype:
+        _, gw, gb = torch.ops.aten.native_batch_norm_backward(grad, x, None, None, None, save_mean, save_invstd,
+                                                              True, 1e-5, [False, True, True])
+        assert torch.equal(sums, torch.stack([gb, gw]))
+    else:
+        assert torch.equal(sums, reference_backward_sums(grad, x, save_mean, save_invstd, stats_dtype))
+
+
 def test_eval_after_split_training_uses_the_merged_running_statistics():
     make, data = NORMS["bn2d_momentum_none"]
     torch.manual_seed(0)
