@@ -42,6 +42,9 @@ Each program prints one of:
   ERROR     any other exception                                 (a bug)
   CRASH     the worker process died                             (a bug)
   HANG      the program ran over --timeout seconds: its worker was killed    (a bug)
+  HISTORY   ran out of memory (cause `other`) after the programs before it in its worker, and
+            fits when run again alone in a new worker: what they taught lazymem (kernel workspace,
+            node times, chunk sizes) made a program that fits run out of memory   (a bug)
 A bug prints its seed and the program's minimal form (features removed while it still fails).
 Exit status 1 on any bug. Programs with random ops are compared with eager like any other: with the
 same seed, a split program draws eager's numbers (DESIGN.md §7 RNG).
@@ -216,7 +219,7 @@ def check(spec: Spec) -> dict:
     return dict(result, status="ok")
 
 
-BUGS = ("WRONG", "OVER", "ERROR", "CRASH", "HANG")
+BUGS = ("WRONG", "OVER", "ERROR", "CRASH", "HANG", "HISTORY")
 
 
 def minimize(spec: Spec) -> Spec:
@@ -327,9 +330,35 @@ def run_batches(batches: list[list[int]], jobs: int, timeout: float = TIMEOUT,
 
 def run_seeds(seeds: list[int], jobs: int = 1, timeout: float = TIMEOUT,
               env: dict[str, str] | None = None) -> list[dict]:
-    """The seeds' records, sorted by seed: worker j runs seeds[j::jobs] in order (see run_batches)."""
-    results = run_batches([seeds[j::jobs] for j in range(jobs)], jobs, timeout, env)
+    """The seeds' records, sorted by seed: worker j runs seeds[j::jobs] in order (see run_batches).
+    A program that ran out of memory for no cause the plan explains is run again alone (see
+    recheck_alone)."""
+    batches = [seeds[j::jobs] for j in range(jobs)]
+    results = recheck_alone(run_batches(batches, jobs, timeout, env), batches, jobs, timeout, env)
     return sorted(results, key=lambda r: r["seed"])
+
+
+def recheck_alone(results: list[dict], batches: list[list[int]], jobs: int, timeout: float = TIMEOUT,
+                  env: dict[str, str] | None = None) -> list[dict]:
+    """Each `oom` of cause `other` run again in a worker of its own: one that fits alone failed because
+    of what the programs before it in its worker taught lazymem, and becomes a HISTORY record naming
+    them (program_fuzz seeds 810858 then 811152: a bound of copy_'s "workspace" learned from an
+    injected failure of its destination's allocation)."""
+    other = {r["seed"]: r for r in results if r["status"] == "oom" and r.get("cause") == "other"}
+    if not other:
+        return results
+    alone = {r["seed"]: r for r in run_batches([[s] for s in other], jobs, timeout, env)}
+    out = []
+    for r in results:
+        a = alone.get(r["seed"]) if r["seed"] in other else None
+        if a is not None and a["status"] == "ok":
+            before = next((b[:b.index(r["seed"])] for b in batches if r["seed"] in b), [])
+            shown = ",".join(map(str, before[-3:]))
+            r = dict(r, status="HISTORY", detail=f"fits alone (peak {a.get('peak')} of {a.get('cap')}); ran out of "
+                     f"memory after {len(before)} programs in its worker (the last: {shown}; replay: "
+                     f"--worker <those seeds>,{r['seed']}):\n  {r['detail']}")
+        out.append(r)
+    return out
 
 
 def report(results: list[dict], seconds: float) -> int:

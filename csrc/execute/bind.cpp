@@ -245,17 +245,16 @@ void Binder::end_chunk() {
   }
 }
 
+int64_t Binder::slot_bytes(int32_t slot) const {
+  const Slot& sl = stage_.slots[slot];
+  if (sl.store != Store::kLocal) return sl.bytes;
+  const auto [first, last] = local_rows(sl.layout, c0_, c1_);
+  return sl.layout.bytes(last - first);
+}
+
 c10::Storage& Binder::slot_storage(int32_t slot) {
   c10::Storage& s = local_[slot];
-  if (!s) {
-    const Slot& sl = stage_.slots[slot];
-    int64_t bytes = sl.bytes;
-    if (sl.store == Store::kLocal) {
-      const auto [first, last] = local_rows(sl.layout, c0_, c1_);
-      bytes = sl.layout.bytes(last - first);
-    }
-    s = allocate_real(static_cast<size_t>(bytes));
-  }
+  if (!s) s = allocate_real(static_cast<size_t>(slot_bytes(slot)));
   return s;
 }
 
@@ -314,6 +313,7 @@ at::Tensor Binder::home(const PlannedNode& pn, size_t i) {
                               pn.node->describe(), " reads b", b.id, " version ", u.ref.version,
                               " but the executor holds version ", b.real_version, b.has_real() ? "" : " (no data)");
     }
+    operand_storage_bytes_ += static_cast<int64_t>(real_bytes_to_allocate(b, u.ref.meta.extent_bytes()));
     ensure_real(b, u.ref.meta.extent_bytes());
     // A read in the layout its kernel returned: that tensor (a TensorImpl per read cost ~800
     // instructions of a tiny op's ~11,000 replayed; eager passes its tensor on too).
@@ -330,6 +330,7 @@ at::Tensor Binder::home(const PlannedNode& pn, size_t i) {
       const auto [first, last] = local_rows(sl.layout, c0_, c1_);
       LAZYMEM_INTERNAL_ASSERT(local_[bd->slot] || u.full_overwrite() || u.write_only || first == last,
                               pn.node->describe(), " reads rows of b", b.id, " that nothing wrote in this chunk");
+      if (!local_[bd->slot]) operand_storage_bytes_ += slot_bytes(bd->slot);
       return slot_view(bd->slot, u.ref.meta, false);
     }
     case Bind::kPartial:

@@ -68,10 +68,17 @@ class Binder {
   int64_t take_copied_bytes() {
     return std::exchange(copied_bytes_, 0);
   }
+  // Device bytes of the storage allocated for the running node's operands (a buffer it writes first,
+  // or one grown), counted before allocating: kept values the memory model counts, not the kernel's
+  // workspace, even when their allocation was the one refused.
+  int64_t operand_storage_bytes() const {
+    return operand_storage_bytes_;
+  }
   // A node run begins: no device copy of an earlier run (one that failed before done()) is reused.
   void begin_run() {
     copies_.clear();
     copied_bytes_ = 0;
+    operand_storage_bytes_ = 0;
   }
   // After the node ran: device copies of host-held values it wrote go back to host memory; in whole
   // stages, buffers it wrote now hold its versions.
@@ -98,6 +105,7 @@ class Binder {
  private:
   at::Tensor slot_view(int32_t slot, const TensorMeta& meta, bool partial);
   c10::Storage& slot_storage(int32_t slot);
+  int64_t slot_bytes(int32_t slot) const; // what slot_storage allocates for this chunk
 
   // The rows [first, first + count) of a view with `map` in this chunk.
   std::pair<int64_t, int64_t> rows_of(const RowMap& map) const {
@@ -139,6 +147,7 @@ class Binder {
   std::vector<std::pair<const PlannedNode*, size_t>> aheadable_; // uses copied ahead in this loop
   std::vector<Ahead> ahead_;
   int64_t copied_bytes_ = 0;
+  int64_t operand_storage_bytes_ = 0;
 
   const Stage& stage_;
   c10::SmallVector<c10::Storage, 16> local_;

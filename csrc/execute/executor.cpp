@@ -161,7 +161,11 @@ class Walker final : public StageWalk {
   // them (the kernel's transients are freed by now). Learned as a lower bound of its workspace, so a
   // new plan of the same program accounts for it. True if that is more than was known. As in
   // learn(), outputs the node does not keep (a chunk's result copied into full storage, or dropped)
-  // are part of the workspace: the memory model counts them there.
+  // are part of the workspace: the memory model counts them there. The storage of the operands it
+  // writes first (copy_ into a fresh buffer) is not, whether or not its allocation was the one refused:
+  // learned as workspace, that value's bytes were counted twice by every later plan of an op of the
+  // same shapes (program_fuzz seeds 810858 then 811152: a copy_ refused its destination by an injected
+  // failure, and the next program could not fit its 90 KiB "workspace" at any chunk size).
   bool learn_from_failure(const PlannedNode& pn, const Binder& binder, int64_t rows, int64_t copies) {
     int64_t outputs = 0;
     for (size_t i = 0; i < pn.node->defs.size(); ++i) {
@@ -169,7 +173,7 @@ class Walker final : public StageWalk {
         outputs += static_cast<int64_t>(binder.def_meta(pn, i).extent_bytes());
       }
     }
-    const int64_t ws = device_counter().node_peak() - node_start_ - outputs - copies;
+    const int64_t ws = device_counter().node_peak() - node_start_ - outputs - copies - binder.operand_storage_bytes();
     if (ws <= 0 || !Workspace::get().observe(workspace_key(pn), &pn.op.schema(), rows, ws, Workspace::kBound)) return false;
     note_learned(pn, rows, ws, " at least (the allocation past it was refused)");
     return true;

@@ -55,6 +55,11 @@ void bring_to_device(LazyBuffer& b) {
   b.set_real(copy_to_device(real_view(b, bytes)).storage(), false);
 }
 
+size_t real_bytes_to_allocate(const LazyBuffer& b, size_t need) {
+  if (b.has_real() && b.real.nbytes() >= need) return 0;
+  return std::max(b.nbytes.load(), need);
+}
+
 void ensure_real(LazyBuffer& b, size_t need) {
   size_t want = std::max(b.nbytes.load(), need);
   if (!b.has_real()) {

@@ -35,6 +35,8 @@ void bring_to_device(LazyBuffer& b);
 // Makes sure `b` has real storage covering `need` bytes: allocates (uninitialized, as eager empty
 // does) if it has none, grows it keeping the old bytes if it is too small.
 void ensure_real(LazyBuffer& b, size_t need);
+// The bytes ensure_real(b, need) allocates (0: b's storage covers `need` already).
+size_t real_bytes_to_allocate(const LazyBuffer& b, size_t need);
 // A backing-device tensor viewing `b`'s real storage with `meta`'s geometry (b must have real data).
 at::Tensor real_view(LazyBuffer& b, const TensorMeta& meta);
 inline at::Tensor real_view(const TensorRef& r) {

@@ -15,9 +15,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch_lazymem
-from torch_lazymem.testing import memory_cap, no_workspace_probes, simulated_device
+from torch_lazymem.testing import (
+    fail_allocation,
+    injected_failures,
+    memory_cap,
+    no_workspace_probes,
+    simulated_device,
+)
 
 MiB = 1024 * 1024
+KiB = 1024
 
 
 def mlp(d=128, h=1024, c=10):
@@ -216,3 +223,44 @@ def test_a_workspace_larger_than_known_is_learned_and_the_program_planned_again(
         again = lazy(x.to("lazymem")).cpu()
     assert torch_lazymem.stats()["oom_retries"] == 0
     torch.testing.assert_close(again, expected)
+
+
+def copy_into_a_fresh_buffer(src, n):
+    """out = (d * 2).sum(1) with d = empty(...).copy_(src) (d dropped: chunk-local when the read
+    splits), read with its n-th allocation refused (none: n = 0). Returns whether a failure fired and
+    how many workspace keys lazymem knows after."""
+    torch_lazymem._C._clear_workspace()
+    s = src.to("lazymem")
+    d = torch.empty(src.shape, dtype=src.dtype, device="lazymem")
+    d.copy_(s)
+    out = (d * 2).sum(1)
+    del d, s
+    fired = injected_failures()
+    if n:
+        fail_allocation(n)
+    torch.testing.assert_close(out.cpu(), (src * 2).sum(1))
+    return injected_failures() > fired, torch_lazymem._C._workspace_entries()
+
+
+@pytest.mark.parametrize("rows,cap,splits", [(64, 4 * MiB, False), (512, 768 * KiB, True)])
+def test_a_refused_allocation_of_the_storage_a_node_writes_first_is_not_learned_as_workspace(rows, cap, splits):
+    """copy_ into a fresh buffer: the destination's storage (whole, or a chunk's slot) is allocated for
+    the node, and the memory model counts it as the value it is. An injected failure refusing that
+    allocation taught the refused bytes as copy_'s workspace, so every later plan of a copy_ of those
+    shapes counted them twice (program_fuzz seeds 810858 then 811152: the next program's copy_ of an
+    attention mask could not fit that "workspace" at any chunk size and ran out of memory in a program
+    that fits alone). Whichever allocation fails, the read is retried, equal to eager, and lazymem knows
+    the workspace a run without a failure teaches (sum's, measured), no more."""
+    src = torch.randn(rows, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with simulated_device(cap), no_workspace_probes():
+        torch_lazymem.reset_stats()
+        _, known = copy_into_a_fresh_buffer(src, 0)
+        assert (torch_lazymem.stats()["splits"] > 0) == splits
+        refused = 0
+        for n in range(1, 10):
+            fired, entries = copy_into_a_fresh_buffer(src, n)
+            if not fired:  # the read has no n-th allocation: each one was refused once
+                break
+            refused += 1
+            assert entries == known, n
+        assert refused >= 2
