@@ -2,6 +2,7 @@
 #include "plan/lanes.h"
 
 #include <algorithm>
+#include <array>
 #include <sstream>
 #include <unordered_map>
 
@@ -182,11 +183,23 @@ void run_lanes_in_groups(Schedule& s, const std::vector<const Node*>& nodes, con
 }
 
 std::string describe_lane_groups(const std::vector<LaneChain>& chains, size_t groups) {
+  // Chains alike (an optimizer's per-tensor ops, one chain per parameter group) said once, counted.
+  std::vector<std::pair<std::array<size_t, 3>, size_t>> kinds; // (runs, lanes, groups), how many
+  for (const LaneChain& c : chains) {
+    const std::array<size_t, 3> k{c.runs, c.lanes, std::min(groups, c.lanes)};
+    auto it = std::find_if(kinds.begin(), kinds.end(), [&](const auto& e) { return e.first == k; });
+    if (it == kinds.end()) {
+      kinds.emplace_back(k, 1);
+    } else {
+      ++it->second;
+    }
+  }
   std::ostringstream os;
-  for (size_t i = 0; i < chains.size(); ++i) {
-    const LaneChain& c = chains[i];
-    os << (i ? "; " : "") << "a chain of " << c.runs << " per-tensor ops over " << c.lanes << " tensors runs in "
-       << std::min(groups, c.lanes) << " groups of tensors";
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    const auto& [k, n] = kinds[i];
+    os << (i ? "; " : "") << (n == 1 ? std::string("a chain") : std::to_string(n) + " chains") << " of " << k[0]
+       << " per-tensor ops over " << k[1] << " tensors " << (n == 1 ? "runs" : "each run") << " in " << k[2]
+       << " groups of tensors";
   }
   return os.str();
 }

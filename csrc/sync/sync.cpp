@@ -217,12 +217,32 @@ void remember(const Plan& plan, const ExecOutcome& out, double ms, double plan_m
   g_explain = std::move(text);
 }
 
+// A plan's notes as one text for an error message, each said once, in order: one that repeats (a
+// chain of per-tensor ops noted per chain) with how many times.
+std::string joined_notes(const std::vector<std::string>& notes) {
+  std::vector<std::pair<const std::string*, int>> once;
+  for (const std::string& n : notes) {
+    auto it = std::find_if(once.begin(), once.end(), [&](const auto& o) { return *o.first == n; });
+    if (it == once.end()) {
+      once.emplace_back(&n, 1);
+    } else {
+      ++it->second;
+    }
+  }
+  std::string out;
+  for (const auto& [n, times] : once) out += *n + (times > 1 ? " (" + std::to_string(times) + " times)" : "") + ". ";
+  return out;
+}
+
 // Plans and runs a detached segment. Caller holds the flush lock. Returns true when it ran out of
 // memory and should be planned again (`attempt` < kMaxReplans; otherwise it raises): everything not
 // done is pending again, and a new plan may fit — the model learned the failing kernel's workspace,
 // the run made progress (what is left is smaller), or it is the first failure (memory another
-// process held for a moment, an injected failure).
-bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
+// process held for a moment, an injected failure). `first_why`: the first attempt's plan notes (set
+// by it), which the error of a later one quotes where they differ: a retry from where the first run
+// stopped plans what is left, which may no longer show why the program did not fit (the batch it
+// split by already consumed: "no data leaf").
+bool run_segment(Segment& seg, const SyncRequest& req, int attempt, std::string& first_why) {
   init_backing_device(); // kernels allocate their outputs themselves
   PlanInput in;
   in.nodes.reserve(seg.nodes.size());
@@ -315,6 +335,7 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   // where it stopped.
   // A last resort that ran out of memory too (one row per chunk) is not planned again.
   // Nor one that tore a value (updated some of its rows in place): it cannot run again exactly.
+  if (attempt == 0 && out.oom) first_why = joined_notes(plan.notes);
   const bool retry = out.oom && attempt < kMaxReplans && out.torn.empty() &&
                      (attempt == 0 || (!plan.last_resort && (out.oom_learned || out.executed > 0)));
   size_t pending = retry && out.restartable ? put_back_all(seg, out.epoch) : put_back(seg, plan, out);
@@ -337,8 +358,11 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt) {
   }
   if (out.oom) {
     Pipeline::get().disarm();
-    std::string why;
-    for (const std::string& n : plan.notes) why += n + ". ";
+    std::string why = joined_notes(plan.notes);
+    if (attempt > 0 && !first_why.empty() && first_why != why) {
+      why += "As first planned, before " + std::to_string(attempt) + (attempt == 1 ? " retry" : " retries") +
+             ": " + first_why;
+    }
     if (!out.torn.empty()) {
       std::string names;
       for (LazyBuffer* b : out.torn) names += (names.empty() ? "b" : ", b") + std::to_string(b->id);
@@ -434,13 +458,14 @@ void sync(const SyncRequest& req) {
   if (!req.background && !req.read && req.needed.empty()) {
     if (std::exception_ptr e = Pipeline::get().take_error()) std::rethrow_exception(e);
   }
+  std::string first_why;
   for (int attempt = 0;; ++attempt) {
     Segment seg = Program::get().take_prefix(req.upto, req.live);
     if (seg.nodes.empty()) {
       if (attempt == 0 && !req.background) end_step_run_by_worker(seg);
       return;
     }
-    const bool again = run_segment(seg, req, attempt);
+    const bool again = run_segment(seg, req, attempt, first_why);
     Program::get().recycle_tape(std::move(seg.tape));
     if (!again) return;
     stats().oom_retries.fetch_add(1, std::memory_order_relaxed);

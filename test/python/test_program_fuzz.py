@@ -80,6 +80,17 @@ def test_seeds_that_found_bugs(seed):
     assert r["status"] == "ok", describe(r)
 
 
+def test_an_out_of_memory_error_after_retries_says_why_the_first_plan_did_not_fit():
+    """Seed 813135 (a GRU at 8% of eager's peak): its plan does not fit (a gradient's cat must be held
+    whatever the chunk size), runs, runs out of memory and is planned again from where it stopped, and
+    what is left has no batch; the error said only that ("no data leaf", an unexplained `other` to the
+    fuzzer). It quotes the first plan's reason now, and its per-tensor chains once each."""
+    [r] = program_fuzz.run_seeds([813135], env={"PROGRAM_FUZZ_WITHOUT": "wide"})
+    assert r["status"] == "oom" and r["cause"] == "unsplittable", describe(r)
+    assert "As first planned, before " in r["detail"] and "must be held whatever the chunk size" in r["detail"], r
+    assert "chains of 2 per-tensor ops over 2 tensors each run in 2 groups" in r["detail"], r
+
+
 # The cap as a memory budget only (`--budget-only`: on a device four times larger, so no allocator
 # stops a plan at the budget): a plan must stay within it or raise. Before plans over a budget nothing
 # enforces were refused, some ran over it (an OVER record here).

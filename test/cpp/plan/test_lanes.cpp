@@ -87,5 +87,20 @@ TEST(Lanes, APositionTouchingAnotherLanesBufferEndsTheChain) {
   EXPECT_TRUE(find_lane_chains(nodes, s).empty());
 }
 
+TEST(Lanes, ChainsAlikeAreDescribedOnceWithHowMany) {
+  // An optimizer's per-tensor chains, one per parameter group: an out-of-memory message said the same
+  // chain eight times over.
+  auto chain = [](size_t runs, size_t lanes) {
+    LaneChain c;
+    c.runs = runs;
+    c.lanes = lanes;
+    return c;
+  };
+  EXPECT_EQ(describe_lane_groups({chain(2, 2), chain(2, 2), chain(7, 14), chain(2, 2)}, 4),
+            "3 chains of 2 per-tensor ops over 2 tensors each run in 2 groups of tensors; "
+            "a chain of 7 per-tensor ops over 14 tensors runs in 4 groups of tensors");
+  EXPECT_EQ(describe_lane_groups({chain(3, 5)}, 8), "a chain of 3 per-tensor ops over 5 tensors runs in 5 groups of tensors");
+}
+
 } // namespace
 } // namespace lazymem::testing
