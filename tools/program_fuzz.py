@@ -122,13 +122,14 @@ def classify_oom(message: str, cap: int) -> str:
         return "unsplittable"
     # A program with no batch at all (an optimizer step planned on its own) whose whole run does not
     # fit: what is held before it runs, the new values that outlive it (the optimizer's state) and
-    # one allocation it must make exceed the cap.
+    # one allocation it must make exceed the cap (a plan refused over a budget nothing enforces, as
+    # --budget-only runs, made none: what is held and what outlives it exceed the cap alone).
     held = re.search(r"of which ([0-9.]+) (bytes|KiB|MiB|GiB) is held before the program runs and "
                      r"([0-9.]+) (bytes|KiB|MiB|GiB) by new values that outlive it", message)
     asked = re.search(r"Tried to allocate ([0-9.]+) (bytes|KiB|MiB|GiB)", message)
-    if "no data leaf" in message and held and asked:
+    if "no data leaf" in message and held:
         need = sum(float(held.group(i)) * _UNITS[held.group(i + 1)] for i in (1, 3))
-        if need + float(asked.group(1)) * _UNITS[asked.group(2)] > cap:
+        if need + (float(asked.group(1)) * _UNITS[asked.group(2)] if asked else 0) > cap:
             return "unsplittable"
     if "barrier" in message or "runs whole" in message or "run whole" in message:
         return "barrier"

@@ -91,6 +91,20 @@ def test_an_out_of_memory_error_after_retries_says_why_the_first_plan_did_not_fi
     assert "chains of 2 per-tensor ops over 2 tensors each run in 2 groups" in r["detail"], r
 
 
+def test_a_program_without_a_batch_whose_held_and_new_state_exceed_the_cap_is_unsplittable():
+    """classify_oom: an optimizer step planned on its own (no data leaf) whose held values and new
+    state exceed the cap, refused before it runs under a budget nothing enforces (no allocation was
+    asked for: seed 816296 of `--budget-only`), or run until an allocation was refused."""
+    held = ("does not fit unsplit: predicted peak 88.83 KiB at aten::zero_ exceeds the budget of 64.00 KiB, of "
+            "which {} KiB is held before the program runs and 43.08 KiB by new values that outlive it. not "
+            "split: no data leaf: nothing uploaded from the host feeds this program")
+    cap = 64 * 1024
+    assert program_fuzz.classify_oom(held.format("45.75") + ". Nothing ran", cap) == "unsplittable"
+    assert program_fuzz.classify_oom(held.format("5.75") + ". Nothing ran", cap) == "other"
+    asked = held.format("5.75") + ". Tried to allocate 16.00 KiB; capacity 64.00 KiB"
+    assert program_fuzz.classify_oom(asked, cap) == "unsplittable"
+
+
 # The cap as a memory budget only (`--budget-only`: on a device four times larger, so no allocator
 # stops a plan at the budget): a plan must stay within it or raise. Before plans over a budget nothing
 # enforces were refused, some ran over it (an OVER record here).
