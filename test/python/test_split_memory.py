@@ -252,7 +252,9 @@ def test_a_refused_allocation_of_the_storage_a_node_writes_first_is_not_learned_
     that fits alone). Whichever allocation fails, the read is retried, equal to eager, and lazymem knows
     the workspace a run without a failure teaches (sum's, measured), no more."""
     src = torch.randn(rows, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    with simulated_device(cap), no_workspace_probes():
+    gc.collect()  # (what earlier tests in this process left on the device counts against a capacity)
+    torch.lazymem.synchronize()
+    with simulated_device(torch.lazymem.memory_allocated() + cap), no_workspace_probes():
         torch_lazymem.reset_stats()
         _, known = copy_into_a_fresh_buffer(src, 0)
         assert (torch_lazymem.stats()["splits"] > 0) == splits
