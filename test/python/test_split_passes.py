@@ -73,7 +73,7 @@ def test_a_chunks_batch_norm_sums_are_eagers_own_on_the_cpu(layout, dtype, stats
     eager's CPU kernels where they take the operands as they are: the chunk's mean is bitwise the one
     native_batch_norm saves, and the gradient's sums are native_batch_norm_backward's grad_bias and
     grad_weight; the other cases (a bfloat16 chunk's backward sums) run the composition. Both equal
-    the composition's formulas."""
+    the composition's formulas. bn_backward_elemt from one chunk's sums is eager's input gradient."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 5, 4, 3, generator=g, dtype=torch.float64) * 3 + 2
     if layout == "channels_last":
@@ -97,6 +97,13 @@ def test_a_chunks_batch_norm_sums_are_eagers_own_on_the_cpu(layout, dtype, stats
         assert torch.equal(sums, torch.stack([gb, gw]))
     else:
         assert torch.equal(sums, reference_backward_sums(grad, x, save_mean, save_invstd, stats_dtype))
+    # The input's gradient from the whole batch's sums (one chunk): eager's.
+    w = torch.rand(x.shape[1], generator=g, dtype=torch.float64).to(stats_dtype) + 0.5
+    dx = torch.ops.lazymem.bn_backward_elemt(grad, x, save_mean, save_invstd, w, sums, x.numel() // x.shape[1])
+    expected, _, _ = torch.ops.aten.native_batch_norm_backward(grad.to(stats_dtype), xd, w, None, None, save_mean,
+                                                               save_invstd, True, 1e-5, [True, False, False])
+    assert dx.dtype == dtype and dx.shape == x.shape
+    torch.testing.assert_close(dx, expected.to(dtype))
 
 
 def test_eval_after_split_training_uses_the_merged_running_statistics():
