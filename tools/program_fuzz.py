@@ -351,7 +351,7 @@ def recheck_alone(results: list[dict], batches: list[list[int]], jobs: int, time
     alone = {r["seed"]: r for r in run_batches([[s] for s in other], jobs, timeout, env)}
     out = []
     for r in results:
-        a = alone.get(r["seed"]) if r["seed"] in other else None
+        a = alone.get(r["seed"])
         if a is not None and a["status"] == "ok":
             before = next((b[:b.index(r["seed"])] for b in batches if r["seed"] in b), [])
             shown = ",".join(map(str, before[-3:]))

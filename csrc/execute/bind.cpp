@@ -313,8 +313,7 @@ at::Tensor Binder::home(const PlannedNode& pn, size_t i) {
                               pn.node->describe(), " reads b", b.id, " version ", u.ref.version,
                               " but the executor holds version ", b.real_version, b.has_real() ? "" : " (no data)");
     }
-    operand_storage_bytes_ += static_cast<int64_t>(real_bytes_to_allocate(b, u.ref.meta.extent_bytes()));
-    ensure_real(b, u.ref.meta.extent_bytes());
+    ensure_real(b, u.ref.meta.extent_bytes(), &operand_storage_bytes_);
     // A read in the layout its kernel returned: that tensor (a TensorImpl per read cost ~800
     // instructions of a tiny op's ~11,000 replayed; eager passes its tensor on too).
     if (!u.write && b.real_impl && !b.real_on_host && same_layout(*b.real_impl, u.ref.meta)) {

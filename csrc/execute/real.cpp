@@ -55,18 +55,14 @@ void bring_to_device(LazyBuffer& b) {
   b.set_real(copy_to_device(real_view(b, bytes)).storage(), false);
 }
 
-size_t real_bytes_to_allocate(const LazyBuffer& b, size_t need) {
-  if (b.has_real() && b.real.nbytes() >= need) return 0;
-  return std::max(b.nbytes.load(), need);
-}
-
-void ensure_real(LazyBuffer& b, size_t need) {
-  size_t want = std::max(b.nbytes.load(), need);
+void ensure_real(LazyBuffer& b, size_t need, int64_t* allocating) {
+  if (b.has_real() && b.real.nbytes() >= need) return;
+  const size_t want = std::max(b.nbytes.load(), need);
+  if (allocating) *allocating += static_cast<int64_t>(want);
   if (!b.has_real()) {
     b.set_real(allocate_real(want));
     return;
   }
-  if (b.real.nbytes() >= need) return;
   // Grown by resize_/set_ after it was materialized: copy the old bytes into the larger storage.
   c10::Storage grown = allocate_real(want);
   TensorMeta bytes;

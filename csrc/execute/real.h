@@ -33,10 +33,9 @@ c10::Storage allocate_host(size_t nbytes);
 // (counted) into device storage. Nothing if it is on the device.
 void bring_to_device(LazyBuffer& b);
 // Makes sure `b` has real storage covering `need` bytes: allocates (uninitialized, as eager empty
-// does) if it has none, grows it keeping the old bytes if it is too small.
-void ensure_real(LazyBuffer& b, size_t need);
-// The bytes ensure_real(b, need) allocates (0: b's storage covers `need` already).
-size_t real_bytes_to_allocate(const LazyBuffer& b, size_t need);
+// does) if it has none, grows it keeping the old bytes if it is too small. `allocating`: the bytes it
+// allocates are added there first (an allocation refused is counted too).
+void ensure_real(LazyBuffer& b, size_t need, int64_t* allocating = nullptr);
 // A backing-device tensor viewing `b`'s real storage with `meta`'s geometry (b must have real data).
 at::Tensor real_view(LazyBuffer& b, const TensorMeta& meta);
 inline at::Tensor real_view(const TensorRef& r) {
