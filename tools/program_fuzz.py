@@ -208,7 +208,7 @@ def check(spec: Spec) -> dict:
     stats = torch_lazymem.stats()
     result.update(peak=lazy_peak, split=stats["splits"] > 0, retries=stats["oom_retries"],
                   row_loops=stats["row_loops"] > 0, in_host=stats["values_in_host_memory"] > 0,
-                  kept=stats["kept_reads"] > 0, behind=stats["d2h_behind"] > 0)
+                  kept=stats["kept_reads"] > 0, behind=stats["d2h_behind"] > 0, fused=stats["fused_nodes"] > 0)
     if lazy_peak > cap:
         return dict(result, status="OVER", detail=f"measured {lazy_peak} > cap {cap}")
     try:
@@ -374,6 +374,7 @@ def report(results: list[dict], seconds: float) -> int:
     print(f"  in host memory  {sum(1 for r in results if r.get('in_host'))}  (rows read again from the device "
           f"{sum(1 for r in results if r.get('kept'))}, copies out not waited for "
           f"{sum(1 for r in results if r.get('behind'))})")
+    print(f"  fused chains in {sum(1 for r in results if r.get('fused'))}  (pointwise nodes run as one loop)")
     print(f"  out of memory   {counts['oom']}  (unsplittable {causes['unsplittable']}, barrier {causes['barrier']}, "
           f"torn in-place update {causes['torn']}, other {causes['other']})")
     for b in BUGS:

@@ -55,9 +55,12 @@ class Spec:
     # A codebook of 2,048 rows (h + softmax(h E^T) E before the head): a parameter that dominates what
     # the step holds, whose optimizer temporaries may fit only in blocks of its rows (issue 31 item 2).
     wide: bool = False
+    # Arithmetic by hand after the stem (mul, add, sub, div, rsub, neg by Python numbers): on small
+    # activations a chain the CPU backing runs as one loop (csrc/execute/fuse.h), forward and backward.
+    arith: bool = False
 
     FEATURES = ("read_before", "halves", "clip", "scaler", "mid_sync", "towers", "mixup", "inplace", "sampled",
-                "two_steps", "wide")
+                "two_steps", "wide", "arith")
 
     def text(self) -> str:
         flags = [f for f in self.FEATURES if getattr(self, f)]
@@ -101,6 +104,8 @@ def draw(seed: int) -> Spec:
     idioms = random.Random(seed ^ 0x31D1)
     sampled, two_steps = idioms.random() < 0.2, idioms.random() < 0.2
     wide = idioms.random() < 0.25
+    # So does arithmetic by hand after the stem.
+    arith = random.Random(seed ^ 0xA817).random() < 0.3
     # So does the recompute setting (host memory for values crossing passes in a quarter of programs).
     h = random.Random(seed ^ 0x4057).random()
     recompute = False if h < 0.25 else True if h < 0.35 else None
@@ -118,7 +123,7 @@ def draw(seed: int) -> Spec:
         mid_sync=r.random() < 0.2, towers=r.random() < 0.2, mixup=r.random() < 0.2,
         cap_fraction=r.uniform(0.05, 1.0), fail_at=r.randint(1, 40) if r.random() < 0.3 else 0,
         rand_ops=[(min(i, len(layers)), op) for i, op in rand_ops], recompute=recompute, sampled=sampled,
-        two_steps=two_steps and training and not halves, wide=wide)
+        two_steps=two_steps and training and not halves, wide=wide, arith=arith)
     # Features a replay leaves out (PROGRAM_FUZZ_WITHOUT=wide,...): a seed that found a bug before a
     # feature joined the grammar replays the program that found it.
     for feature in filter(None, os.environ.get("PROGRAM_FUZZ_WITHOUT", "").split(",")):
@@ -230,6 +235,8 @@ class Net(nn.Module):
         h = self.stem(x)
         if self.spec.kind == "img":
             h = activation(self.spec, h)
+        if self.spec.arith:  # h + 0.5, in six ops
+            h = (1 - ((h * 0.75 + 0.125) - h / 4.0) * 2).neg() + 1.25
         for i, b in enumerate(self.blocks):
             for _, op in (r for r in self.spec.rand_ops if r[0] == i):
                 h = random_op(op, h)

@@ -115,6 +115,23 @@ def cuda_graphs() -> bool:
     return bool(_C._cuda_graphs())
 
 
+def set_fusion(enabled: bool = True) -> None:
+    """Runs chains of pointwise arithmetic on small tensors as one loop (on by default;
+    ``LAZYMEM_FUSION=0`` turns it off). On the CPU backing device: consecutive add, sub, mul, div,
+    neg and reciprocal nodes on dense float or double tensors of one size (at most 32,768 elements),
+    or such a tensor and a Python number, skip ATen's per-op dispatch and iterator; each op rounds
+    as eager's kernel does, so results are bitwise eager's. ``stats()``: ``fused_chains``,
+    ``fused_nodes``, ``fusion_fallbacks``."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"lazymem: set_fusion expects True or False, got {enabled!r}")
+    _C._set_fusion(enabled)
+
+
+def fusion() -> bool:
+    """Whether pointwise chains run as one loop now (set_fusion, and a CPU backing device)."""
+    return bool(_C._fusion())
+
+
 def set_memory_budget(budget: Union[int, str, None]) -> None:
     """Caps the device memory lazymem may hold (resident values included) at ``budget`` bytes, or a
     string such as ``"6GiB"``; ``None`` restores the default: the backing device's free memory plus

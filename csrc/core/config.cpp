@@ -70,6 +70,9 @@ std::map<std::string, int64_t> Stats::snapshot() const {
       {"d2h_behind", ld(d2h_behind)},
       {"copy_out_wait_ns", ld(copy_out_wait_ns)},
       {"kept_reads", ld(kept_reads)},
+      {"fused_chains", ld(fused_chains)},
+      {"fused_nodes", ld(fused_nodes)},
+      {"fusion_fallbacks", ld(fusion_fallbacks)},
       {"cuda_graph_captures", ld(cuda_graph_captures)},
       {"cuda_graph_replays", ld(cuda_graph_replays)},
       {"cuda_graph_nodes", ld(cuda_graph_nodes)},
@@ -129,6 +132,9 @@ void Stats::reset() {
   d2h_behind = 0;
   copy_out_wait_ns = 0;
   kept_reads = 0;
+  fused_chains = 0;
+  fused_nodes = 0;
+  fusion_fallbacks = 0;
   cuda_graph_captures = 0;
   cuda_graph_replays = 0;
   cuda_graph_nodes = 0;
@@ -203,6 +209,7 @@ static Config* make_config() {
   if (std::optional<bool> v = env_flag("LAZYMEM_CHECK_TAPE")) c->check_tape = *v;
   if (std::optional<bool> v = env_flag("LAZYMEM_PIPELINE")) c->pipeline = *v ? 1 : 0;
   if (std::optional<bool> v = env_flag("LAZYMEM_CUDA_GRAPHS")) c->cuda_graphs = *v;
+  if (std::optional<bool> v = env_flag("LAZYMEM_FUSION")) c->fusion = *v;
   if (std::optional<uint64_t> n = env_count("LAZYMEM_PIPELINE_BATCH")) c->pipeline_batch = std::max<uint64_t>(*n, 1);
   if (std::optional<uint64_t> n = env_count("LAZYMEM_CHUNK_NODE_NS")) c->chunk_node_ns = static_cast<int64_t>(*n);
   if (std::optional<bool> v = env_flag("LAZYMEM_CHECK_BOUNDARY")) c->check_boundary = *v;

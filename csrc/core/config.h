@@ -63,6 +63,10 @@ struct Stats {
   std::atomic<uint64_t> d2h_behind{0};    // copies out the executor did not wait for (execute/transfer.h copy_out)
   std::atomic<uint64_t> copy_out_wait_ns{0}; // time spent waiting for them to end (await_copies_out)
   std::atomic<uint64_t> kept_reads{0};    // reads of rows a chunk wrote to host memory, from the device (plan.h KeptRows)
+  // Pointwise chains run as one loop on the CPU backing (execute/fuse.h).
+  std::atomic<uint64_t> fused_chains{0};
+  std::atomic<uint64_t> fused_nodes{0};           // nodes they ran
+  std::atomic<uint64_t> fusion_fallbacks{0};      // chains run plainly (an operand off the device, out of memory)
   // CUDA graphs of reused plans (execute/graphs.h).
   std::atomic<uint64_t> cuda_graph_captures{0};   // pieces of plans captured as graphs
   std::atomic<uint64_t> cuda_graph_replays{0};    // graph launches (a piece's nodes in one launch)
@@ -96,6 +100,9 @@ struct Config {
   // A reused plan's nodes replay as CUDA graphs where they can (execute/graphs.h); on a CUDA backing
   // device with a CUDA build of torch. LAZYMEM_CUDA_GRAPHS=0/1, torch_lazymem.set_cuda_graphs().
   std::atomic<bool> cuda_graphs{true};
+  // Chains of pointwise arithmetic on small tensors run as one loop on the CPU backing
+  // (execute/fuse.h). LAZYMEM_FUSION=0/1, torch_lazymem.set_fusion().
+  std::atomic<bool> fusion{true};
   // What the planner takes a node to cost per chunk beyond its work, in ns (PlanInput::chunk_node_ns;
   // LAZYMEM_CHUNK_NODE_NS; -1 or 0: nothing, the default until it is right on a GPU, see sync.cpp).
   // Set on the CPU backing, tests exercise the GPU's trade of chunks against host memory.

@@ -228,12 +228,14 @@ class Walker final : public StageWalk {
   void bookkeep(size_t p, c10::ArrayRef<c10::Storage> results) override {
     const PlannedNode& pn = stage_->nodes[p];
     Node& n = *pn.node;
+    // (Before its results are stored, as run_node checks before the kernel: a def holding storage
+    // this execution did not stamp yet would read as older.)
+    if (out_.restartable) check_restartable(pn);
     for (size_t i = 0; i < results.size(); ++i) {
       if (!results[i]) continue;
       LazyBuffer& b = i < n.defs.size() ? *n.defs[i].ref.buf : *n.uses[i - n.defs.size()].ref.buf;
       if (!b.has_real()) b.set_real(results[i]);
     }
-    if (out_.restartable) check_restartable(pn);
     binder_->done(pn);
     stamp_writes(n);
     ++out_.executed;

@@ -36,7 +36,7 @@ void observe_node_time(uint64_t key, int64_t rows, int64_t ns) {
   const double v = static_cast<double>(ns) / static_cast<double>(std::max<int64_t>(rows, 1));
   Times& t = times();
   std::lock_guard<std::mutex> lock(t.mu);
-  auto [it, fresh] = t.ns_per_row.emplace(key, v);
+  auto [it, fresh] = t.ns_per_row.try_emplace(key, v); // (no node allocated when the key is known)
   if (!fresh) it->second = 0.5 * (it->second + v);
 }
 

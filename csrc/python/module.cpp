@@ -263,6 +263,8 @@ PYBIND11_MODULE(_C, m) {
     if (backing_device().is_cuda()) init_backing_device(); // (loads the CUDA backend)
     return config().cuda_graphs.load() && (backing_device().is_cuda() ? cuda_backend() != nullptr : graph_emulation());
   });
+  m.def("_set_fusion", [](bool on) { config().fusion = on; });
+  m.def("_fusion", [] { return config().fusion.load() && backing_device().is_cpu(); });
   m.def("_set_graph_emulation", [](bool on) {
     py::gil_scoped_release nogil;
     set_graph_emulation(on);

@@ -18,6 +18,7 @@
 #include "core/config.h"
 #include "core/runtime.h"
 #include "execute/executor.h"
+#include "execute/fuse.h"
 #include "execute/graphs.h"
 #include "execute/memory.h"
 #include "execute/replay.h"
@@ -320,8 +321,9 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt, std::string&
     const bool capped = budget >= 0 && plan.predicted_peak > budget / 2;
     ScopedAllocatorCap cap(budget, capped);
     // Graphs' pools hold memory between steps: not where the user capped memory.
-    std::unique_ptr<StageRunner> graphs = graph_runner(plan, capped || memory_capped());
-    out = execute(plan, random_nodes, graphs.get());
+    std::unique_ptr<StageRunner> runner = graph_runner(plan, capped || memory_capped());
+    if (!runner) runner = fusion_runner(plan); // (the CPU backing: pointwise chains as one loop)
+    out = execute(plan, random_nodes, runner.get());
   }
   if (out.oom && stats().cuda_graph_pool_bytes.load(std::memory_order_relaxed) > 0) drop_cuda_graphs();
   // A loop that ran out of memory finished with smaller chunks: so does the plan next time.

@@ -1,0 +1,445 @@
+// execute: pointwise chains run as one loop on the CPU backing (fuse.h).
+#include "execute/fuse.h"
+
+#include <algorithm>
+#include <chrono>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
+
+#include "core/config.h"
+#include "core/runtime.h"
+#include "execute/real.h"
+#include "plan/timing.h"
+
+namespace lazymem {
+namespace {
+
+enum class Op : uint8_t { kAdd, kSub, kMul, kDiv, kNeg, kRecip };
+
+struct Form {
+  Op op = Op::kAdd;
+  bool reversed = false; // rsub: other - self
+  bool unary = false;
+  bool alpha = false;    // args[2] is alpha: fused only when it is 1
+};
+
+struct Known {
+  c10::OperatorHandle handle;
+  Form form;
+};
+
+const std::vector<Known>& known_ops() {
+  static const std::vector<Known> ops = [] {
+    std::vector<Known> v;
+    auto add = [&](const char* name, const char* overload, Form f) {
+      if (auto h = c10::Dispatcher::singleton().findSchema({name, overload})) v.push_back({*h, f});
+    };
+    add("aten::add", "Tensor", {Op::kAdd, false, false, true});
+    add("aten::add", "Scalar", {Op::kAdd, false, false, true});
+    add("aten::sub", "Tensor", {Op::kSub, false, false, true});
+    add("aten::sub", "Scalar", {Op::kSub, false, false, true});
+    add("aten::rsub", "Tensor", {Op::kSub, true, false, true});
+    add("aten::rsub", "Scalar", {Op::kSub, true, false, true});
+    add("aten::mul", "Tensor", {Op::kMul, false, false, false});
+    add("aten::mul", "Scalar", {Op::kMul, false, false, false});
+    add("aten::div", "Tensor", {Op::kDiv, false, false, false});
+    add("aten::div", "Scalar", {Op::kDiv, false, false, false});
+    add("aten::neg", "", {Op::kNeg, false, true, false});
+    add("aten::reciprocal", "", {Op::kRecip, false, true, false});
+    return v;
+  }();
+  return ops;
+}
+
+// A host number an op reads: converted to the op's dtype when it runs, as ATen converts a CPU scalar
+// operand (static_cast from its own type, so an int64 is not rounded twice through a double).
+struct Number {
+  bool is_int = false;
+  int64_t i = 0;
+  double d = 0;
+  template <typename T>
+  T as() const {
+    return is_int ? static_cast<T>(i) : static_cast<T>(d);
+  }
+};
+
+bool number_of(const c10::IValue& v, Number& out) {
+  if (v.isDouble()) {
+    out.d = v.toDouble();
+    return true;
+  }
+  if (v.isInt() || v.isBool()) {
+    out.is_int = true;
+    out.i = v.isInt() ? v.toInt() : static_cast<int64_t>(v.toBool());
+    return true;
+  }
+  if (!v.isTensor()) return false;
+  const at::Tensor& t = v.toTensor();
+  if (!t.defined() || !t.device().is_cpu() || t.dim() != 0 || t.is_neg() || t.is_conj() || !t.has_storage()) return false;
+  switch (t.scalar_type()) {
+    case c10::ScalarType::Double: out.d = *t.const_data_ptr<double>(); return true;
+    case c10::ScalarType::Float: out.d = *t.const_data_ptr<float>(); return true;
+    case c10::ScalarType::Long: out.is_int = true; out.i = *t.const_data_ptr<int64_t>(); return true;
+    case c10::ScalarType::Int: out.is_int = true; out.i = *t.const_data_ptr<int32_t>(); return true;
+    case c10::ScalarType::Bool: out.is_int = true; out.i = *t.const_data_ptr<bool>(); return true;
+    default: return false;
+  }
+}
+
+bool is_one(const c10::IValue& v) {
+  return (v.isInt() && v.toInt() == 1) || (v.isDouble() && v.toDouble() == 1.0);
+}
+
+// Dense row-major (strides of size-1 dims do not matter).
+bool row_major(const TensorMeta& m) {
+  int64_t expected = 1;
+  for (size_t d = m.sizes.size(); d-- > 0;) {
+    if (m.sizes[d] == 1) continue;
+    if (m.strides[d] != expected) return false;
+    expected *= m.sizes[d];
+  }
+  return true;
+}
+
+
+// One operand of a fusible node: a host number, or a tensor the node reads (one of its uses).
+struct Operand {
+  enum Kind : uint8_t { kNone, kNumber, kTensor } kind = kNone;
+  uint32_t use = 0;
+  Number number;
+};
+
+struct Fusible {
+  bool ok = false;
+  Op op = Op::kAdd;
+  Operand a, b; // b: kNone for unary ops
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  int64_t numel = 0;
+};
+
+Fusible analyze(const PlannedNode& pn) {
+  Fusible f;
+  const Node& n = *pn.node;
+  if (n.random || n.effectful || n.upload || n.defs.size() != 1 || !n.device_args.empty() || n.uses.empty()) return f;
+  const Form* form = nullptr;
+  for (const Known& k : known_ops()) {
+    if (k.handle == pn.op) {
+      form = &k.form;
+      break;
+    }
+  }
+  if (!form) return f;
+  const TensorMeta& m = n.defs[0].ref.meta;
+  if ((m.dtype != c10::ScalarType::Float && m.dtype != c10::ScalarType::Double) || m.conj || m.neg || m.offset != 0 ||
+      !row_major(m)) {
+    return f;
+  }
+  const int64_t numel = m.numel();
+  if (numel < 1 || numel > kMaxFusedElements ||
+      n.defs[0].ref.buf->nbytes.load(std::memory_order_relaxed) !=
+          static_cast<size_t>(numel) * c10::elementSize(m.dtype)) {
+    return f;
+  }
+  const size_t operands = form->unary ? 1 : 2;
+  if (form->alpha && (n.args.size() < 3 || !is_one(n.args[2]))) return f;
+  Operand ops[2];
+  for (size_t i = 0; i < n.uses.size(); ++i) {
+    const Use& u = n.uses[i];
+    const TensorMeta& um = u.ref.meta;
+    // (Of the result's numel, a dense operand is the result's shape up to leading 1s: no broadcast.)
+    if (u.write || u.elem != -1 || u.arg < 0 || static_cast<size_t>(u.arg) >= operands ||
+        ops[u.arg].kind != Operand::kNone || um.dtype != m.dtype || um.conj || um.neg || um.numel() != numel ||
+        !row_major(um)) {
+      return f;
+    }
+    ops[u.arg].kind = Operand::kTensor;
+    ops[u.arg].use = static_cast<uint32_t>(i);
+  }
+  for (size_t a = 0; a < operands; ++a) {
+    if (ops[a].kind != Operand::kNone) continue;
+    if (a >= n.args.size() || !number_of(n.args[a], ops[a].number)) return f;
+    ops[a].kind = Operand::kNumber;
+  }
+  f.ok = true;
+  f.op = form->op;
+  f.a = form->reversed ? ops[1] : ops[0];
+  f.b = form->unary ? Operand() : (form->reversed ? ops[0] : ops[1]);
+  f.dtype = m.dtype;
+  f.numel = numel;
+  return f;
+}
+
+size_t bytes(const LazyBuffer* b) {
+  return b->nbytes.load(std::memory_order_relaxed);
+}
+
+// A stage's chains, found once per execution: where each starts and ends, and its nodes as analyzed.
+struct Chains {
+  std::vector<Fusible> nodes;
+  std::vector<uint32_t> end;                 // per position: the end of the chain starting there (0: none)
+  std::vector<std::array<int32_t, 2>> from;  // per position in a chain and operand: the position of
+                                             // the chain's node defining it (-1: from outside)
+  std::vector<char> escapes;                 // per position in a chain: its result outlives the chain
+
+  // The longest run of fusible nodes from `i` of one dtype and size, cut where the results it would
+  // allocate up front come to more than the plain runs of its nodes hold at their peak. Returns its
+  // end (i when shorter than two nodes).
+  size_t grow(const Stage& st, size_t i) {
+    defined_.clear();
+    int64_t held = 0, peak = 0, escaping = 0; // bytes beyond what the stage holds at the chain's start
+    size_t best = i;
+    for (size_t k = i; k < st.nodes.size(); ++k) {
+      const Fusible& f = nodes[k];
+      if (!f.ok || f.dtype != nodes[i].dtype || f.numel != nodes[i].numel) break;
+      const Node& n = *st.nodes[k].node;
+      bool ok = true;
+      for (int s = 0; s < 2; ++s) {
+        const Operand& o = s == 0 ? f.a : f.b;
+        from[k][s] = -1;
+        if (o.kind != Operand::kTensor) continue;
+        const Use& u = n.uses[o.use];
+        auto it = defined_.find(u.ref.buf.get());
+        if (it == defined_.end()) continue;
+        ok = ok && u.ref.meta.offset == 0; // (not a view into the middle of a value of the chain)
+        from[k][s] = static_cast<int32_t>(it->second);
+      }
+      if (!ok) break;
+      const LazyBuffer* out = n.defs[0].ref.buf.get();
+      defined_.emplace(out, k);
+      held += static_cast<int64_t>(bytes(out));
+      escaping += static_cast<int64_t>(bytes(out));
+      peak = std::max(peak, held);
+      for (LazyBuffer* b : st.released_after(st.nodes[k])) {
+        held -= static_cast<int64_t>(bytes(b));
+        if (defined_.count(b)) escaping -= static_cast<int64_t>(bytes(b));
+      }
+      if (k > i && escaping <= peak) best = k + 1;
+    }
+    if (best < i + 2) return i;
+    for (size_t k = i; k < best; ++k) escapes[k] = 1;
+    for (size_t k = i; k < best; ++k) {
+      for (LazyBuffer* b : st.released_after(st.nodes[k])) {
+        auto it = defined_.find(b);
+        if (it != defined_.end() && it->second < best) escapes[it->second] = 0;
+      }
+    }
+    return best;
+  }
+
+  explicit Chains(const Stage& st)
+      : nodes(st.nodes.size()), end(st.nodes.size(), 0), from(st.nodes.size()), escapes(st.nodes.size(), 0) {
+    for (size_t i = 0; i < st.nodes.size(); ++i) nodes[i] = analyze(st.nodes[i]);
+    for (size_t i = 0; i < st.nodes.size();) {
+      const size_t e = nodes[i].ok ? grow(st, i) : i;
+      if (e > i) {
+        end[i] = static_cast<uint32_t>(e);
+        i = e;
+      } else {
+        ++i;
+      }
+    }
+  }
+
+ private:
+  std::unordered_map<const LazyBuffer*, size_t> defined_; // grow's: a chain's results, by buffer
+};
+
+constexpr int64_t kBlock = 512; // elements per pass over the chain's nodes
+
+// One fused node, ready to run: each operand a number, a register (a value that dies in the chain)
+// or memory that moves with the block (an operand from outside, a result that outlives the chain).
+template <typename T>
+struct Step {
+  Op op = Op::kAdd;
+  const T* a = nullptr;
+  const T* b = nullptr;
+  T* d = nullptr;
+  int32_t ra = -1, rb = -1, rd = -1; // registers (-1: the pointer, or the number when it is null)
+  T na = 0, nb = 0;
+};
+
+template <typename T, typename F>
+void loop_vv(T* __restrict d, const T* __restrict a, const T* __restrict b, int64_t n, F f) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) d[i + j] = f(a[i + j], b[i + j]);
+  }
+  for (; i < n; ++i) d[i] = f(a[i], b[i]);
+}
+template <typename T, typename F>
+void loop_vn(T* __restrict d, const T* __restrict a, T b, int64_t n, F f) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) d[i + j] = f(a[i + j], b);
+  }
+  for (; i < n; ++i) d[i] = f(a[i], b);
+}
+template <typename T, typename F>
+void loop_nv(T* __restrict d, T a, const T* __restrict b, int64_t n, F f) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) d[i + j] = f(a, b[i + j]);
+  }
+  for (; i < n; ++i) d[i] = f(a, b[i]);
+}
+
+template <typename T, typename F>
+void run_step(const Step<T>& s, int64_t at, int64_t n, T* regs, int64_t stride, F f) {
+  T* d = s.rd >= 0 ? regs + s.rd * stride : s.d + at;
+  const T* a = s.ra >= 0 ? regs + s.ra * stride : (s.a ? s.a + at : nullptr);
+  const T* b = s.rb >= 0 ? regs + s.rb * stride : (s.b ? s.b + at : nullptr);
+  if (a && b) {
+    loop_vv(d, a, b, n, f);
+  } else if (a) {
+    loop_vn(d, a, s.nb, n, f);
+  } else {
+    loop_nv(d, s.na, b, n, f);
+  }
+}
+
+template <typename T>
+void run_steps(const std::vector<Step<T>>& steps, int64_t numel, int32_t registers) {
+  const int64_t stride = std::min(kBlock, numel);
+  std::vector<T> regs(static_cast<size_t>(std::max(registers, 1) * stride));
+  for (int64_t at = 0; at < numel; at += stride) {
+    const int64_t n = std::min(stride, numel - at);
+    for (const Step<T>& s : steps) {
+      switch (s.op) {
+        case Op::kAdd: run_step(s, at, n, regs.data(), stride, [](T x, T y) { return x + y; }); break;
+        case Op::kSub: run_step(s, at, n, regs.data(), stride, [](T x, T y) { return x - y; }); break;
+        case Op::kMul: run_step(s, at, n, regs.data(), stride, [](T x, T y) { return x * y; }); break;
+        case Op::kDiv: run_step(s, at, n, regs.data(), stride, [](T x, T y) { return x / y; }); break;
+        case Op::kNeg: run_step(s, at, n, regs.data(), stride, [](T x, T) { return -x; }); break;
+        case Op::kRecip: run_step(s, at, n, regs.data(), stride, [](T x, T) { return T(1) / x; }); break;
+      }
+    }
+  }
+}
+
+class FusionRunner final : public StageRunner {
+ public:
+  size_t run_from(size_t p, StageWalk& walk) override {
+    const Stage& st = walk.stage();
+    auto it = chains_.find(&st);
+    if (it == chains_.end()) it = chains_.emplace(&st, Chains(st)).first;
+    const Chains& c = it->second;
+    if (c.end[p] == 0) return p;
+    return c.nodes[p].dtype == c10::ScalarType::Float ? run<float>(st, c, p, walk) : run<double>(st, c, p, walk);
+  }
+
+  int64_t pool_bytes() const override {
+    return 0;
+  }
+
+ private:
+  template <typename T>
+  size_t run(const Stage& st, const Chains& c, size_t p, StageWalk& walk) {
+    const size_t q = c.end[p];
+    // Operands from outside the chain: on the device, at the version recorded, not poisoned (else
+    // the plain path runs and reports them).
+    auto outside = [&](size_t k, const Operand& o) -> const T* {
+      const Use& u = st.nodes[k].node->uses[o.use];
+      const LazyBuffer& b = *u.ref.buf;
+      if (!b.has_real() || b.real_on_host || b.real_version != u.ref.version || b.poison ||
+          b.real.nbytes() < u.ref.meta.extent_bytes()) {
+        return nullptr;
+      }
+      return static_cast<const T*>(b.real.data()) + u.ref.meta.offset;
+    };
+    std::vector<Step<T>> steps(q - p);
+    for (size_t k = p; k < q; ++k) {
+      const Fusible& f = c.nodes[k];
+      Step<T>& s = steps[k - p];
+      s.op = f.op;
+      for (int o = 0; o < 2; ++o) {
+        const Operand& op = o == 0 ? f.a : f.b;
+        const T** ptr = o == 0 ? &s.a : &s.b;
+        if (op.kind == Operand::kNumber) {
+          (o == 0 ? s.na : s.nb) = op.number.as<T>();
+        } else if (op.kind == Operand::kTensor && c.from[k][o] < 0) {
+          if (!(*ptr = outside(k, op))) {
+            stats().fusion_fallbacks.fetch_add(1, std::memory_order_relaxed);
+            return p;
+          }
+        }
+      }
+    }
+    // Results that outlive the chain get their storage now (before any ran: out of memory here,
+    // the plain path runs the nodes and reports it).
+    std::vector<c10::Storage> kept(q - p);
+    try {
+      for (size_t k = p; k < q; ++k) {
+        if (c.escapes[k]) kept[k - p] = allocate_real(bytes(st.nodes[k].node->defs[0].ref.buf.get()));
+      }
+    } catch (const c10::OutOfMemoryError&) {
+      stats().fusion_fallbacks.fetch_add(1, std::memory_order_relaxed);
+      return p;
+    }
+    // Registers for the values that die in the chain: taken at their node, free after their last reader.
+    std::vector<size_t> last(q - p, 0);
+    for (size_t k = p; k < q; ++k) {
+      for (int o = 0; o < 2; ++o) {
+        if (c.from[k][o] >= 0) last[static_cast<size_t>(c.from[k][o]) - p] = k - p;
+      }
+    }
+    std::vector<int32_t> reg(q - p, -1), free_regs;
+    int32_t registers = 0;
+    for (size_t k = p; k < q; ++k) {
+      Step<T>& s = steps[k - p];
+      for (int o = 0; o < 2; ++o) {
+        const int32_t src = c.from[k][o];
+        if (src < 0) continue;
+        const size_t v = static_cast<size_t>(src) - p;
+        int32_t& r = o == 0 ? s.ra : s.rb;
+        const T*& ptr = o == 0 ? s.a : s.b;
+        r = reg[v];
+        if (r < 0) ptr = static_cast<const T*>(kept[v].data());
+      }
+      if (c.escapes[k]) {
+        s.d = static_cast<T*>(kept[k - p].mutable_data());
+      } else {
+        if (free_regs.empty()) free_regs.push_back(registers++);
+        s.rd = reg[k - p] = free_regs.back();
+        free_regs.pop_back();
+      }
+      // (After the result took its register: a register is never both read and written by a step.)
+      for (int o = 0; o < 2; ++o) {
+        const int32_t src = c.from[k][o];
+        if (src >= 0 && last[static_cast<size_t>(src) - p] == k - p && reg[static_cast<size_t>(src) - p] >= 0) {
+          free_regs.push_back(reg[static_cast<size_t>(src) - p]);
+          reg[static_cast<size_t>(src) - p] = -2; // (freed once, even when both operands read it)
+        }
+      }
+      if (!c.escapes[k] && last[k - p] == 0) free_regs.push_back(s.rd); // read by none
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    run_steps(steps, c.nodes[p].numel, registers);
+    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    for (size_t k = p; k < q; ++k) {
+      const PlannedNode& pn = st.nodes[k];
+      observe_node_time(node_time_key(pn), 1, ns / static_cast<int64_t>(q - p));
+      walk.bookkeep(k, kept[k - p] ? c10::ArrayRef<c10::Storage>(kept[k - p]) : c10::ArrayRef<c10::Storage>());
+    }
+    stats().fused_chains.fetch_add(1, std::memory_order_relaxed);
+    stats().fused_nodes.fetch_add(q - p, std::memory_order_relaxed);
+    return q;
+  }
+
+  std::unordered_map<const Stage*, Chains> chains_;
+};
+
+} // namespace
+
+std::unique_ptr<StageRunner> fusion_runner(const Plan& plan) {
+  if (!config().fusion.load(std::memory_order_relaxed) || !backing_device().is_cpu()) return nullptr;
+  for (const Stage& st : plan.stages) {
+    if (!st.loop && st.nodes.size() >= 2) return std::make_unique<FusionRunner>();
+  }
+  return nullptr;
+}
+
+} // namespace lazymem

@@ -1,0 +1,215 @@
+"""Pointwise chains run as one loop on the CPU backing (csrc/execute/fuse.h): results equal eager's
+bit for bit (assert_bitwise: NaN payloads aside), nothing fused that eager's kernels would round
+differently, what cannot be fused runs plainly, and the peak is never above the plain run's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_bitwise
+
+import torch_lazymem
+
+LAZY = "lazymem"
+SPECIAL = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -1e-40, 3.0e38, -3.0e38, 1.0, -1.0, 0.5]
+
+
+@pytest.fixture(autouse=True)
+def _fusion_on():
+    torch_lazymem.set_fusion(True)
+    yield
+    torch_lazymem.set_fusion(True)
+
+
+def operands(dtype: torch.dtype, n: int = 37, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=dtype)
+    w = torch.randn(n, generator=g, dtype=dtype)
+    x[: len(SPECIAL)] = torch.tensor(SPECIAL, dtype=dtype)
+    w[: len(SPECIAL)] = torch.tensor(list(reversed(SPECIAL)), dtype=dtype)
+    return x, w
+
+
+def fused_run(fn, *args):
+    """fn on lazymem copies of args, materialized; with the stats of that run."""
+    lazy = [a.to(LAZY) for a in args]
+    torch.lazymem.synchronize()
+    torch_lazymem.reset_stats()
+    out = fn(*lazy)
+    out = out if isinstance(out, tuple) else (out,)
+    torch.lazymem.synchronize()
+    return out, torch_lazymem.stats()
+
+
+# Every op the runner fuses, in every form Python writes it: a tensor and a number either side,
+# numbers float, int and bool, and the Scalar overloads.
+FORMS = {
+    "add": lambda x, w: (x + w) + 0.1,
+    "add_int": lambda x, w: (x + 3) + w,
+    "add_bool": lambda x, w: (x + True) * w,
+    "radd": lambda x, w: 0.25 + (x + w),
+    "add_scalar_overload": lambda x, w: torch.ops.aten.add.Scalar(x * w, 0.3),
+    "sub": lambda x, w: (x - w) - 0.7,
+    "rsub": lambda x, w: 1 - (x - w),
+    "rsub_overloads": lambda x, w: torch.ops.aten.rsub.Scalar(torch.ops.aten.rsub.Tensor(x, w), 2.5),
+    "sub_scalar_overload": lambda x, w: torch.ops.aten.sub.Scalar(x * w, 0.3),
+    "mul": lambda x, w: (x * w) * 1.0001,
+    "mul_int": lambda x, w: (x * 7) * w,
+    "mul_scalar_overload": lambda x, w: torch.ops.aten.mul.Scalar(x + w, 3.3),
+    "div": lambda x, w: (x / w) / 3.0,
+    "rdiv": lambda x, w: 2.0 / (x / w),
+    "div_scalar_overload": lambda x, w: torch.ops.aten.div.Scalar(x - w, 0.7),
+    "neg": lambda x, w: -(x * w),
+    "reciprocal": lambda x, w: (x + w).reciprocal(),
+    "same_operand": lambda x, w: (x * x) * (x - w),
+    "chain": lambda x, w: (((x * 1.0001 + 0.001) - w) / 3.0).neg().reciprocal() * w - 7,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_each_fused_op_is_eagers_bit_for_bit(form, dtype):
+    fn = FORMS[form]
+    x, w = operands(dtype)
+    (out,), s = fused_run(fn, x, w)
+    assert s["fused_chains"] >= 1 and s["fused_nodes"] >= 2, s
+    assert_bitwise(out, fn(x, w))
+
+
+def test_a_double_constant_rounds_to_float_as_eager_rounds_it():
+    # 0.1 is no float: eager rounds it to float32 once (its CPU scalar operand) before adding.
+    x = torch.full((16,), 16777216.0)
+    fn = lambda t: (t + 0.1) + (2**24 + 1) - 1.0  # noqa: E731
+    (out,), s = fused_run(fn, x)
+    assert s["fused_nodes"] == 3
+    assert_bitwise(out, fn(x))
+    # A 0-dim host tensor as the constant (not a wrapped Python number): the result's dtype still wins.
+    c = torch.tensor(1.0000001, dtype=torch.float64)
+    fn2 = lambda t: (t * c) * c  # noqa: E731
+    (out2,), s2 = fused_run(fn2, x)
+    assert s2["fused_nodes"] == 2
+    assert_bitwise(out2, fn2(x))
+
+
+def test_values_kept_outside_the_chain_are_stored_and_the_rest_are_not():
+    x, w = operands(torch.float32, n=4096)
+
+    def fn(x, w):
+        a = x * 2.0
+        b = a + w  # kept by the caller
+        c = b * b
+        d = c - a  # kept by the caller
+        return b, d
+
+    (b, d), s = fused_run(fn, x, w)
+    assert s["fused_nodes"] == 4
+    eb, ed = fn(x, w)
+    assert_bitwise(b, eb)
+    assert_bitwise(d, ed)
+    # Stored: the two results (and the inputs); a and c never had storage.
+    assert s["peak_bytes"] <= 4 * 4096 * 4
+
+
+def test_the_peak_is_never_above_the_plain_runs():
+    # y1 = x * 2 where x dies there, then y2 = y1 + 1, both kept: fused up front, y1 and y2 would be
+    # held beside x (three values) where the plain run holds two at a time. The chain stops short.
+    n = 8192
+
+    def program():
+        x = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(LAZY)
+        torch.lazymem.synchronize()
+        torch_lazymem.reset_stats()
+        y1 = x * 2.0
+        del x
+        y2 = y1 + 1.0
+        y3 = y2 * 3.0
+        torch.lazymem.synchronize()
+        return (y1, y2, y3), torch_lazymem.stats()
+
+    fused, s = program()
+    torch_lazymem.set_fusion(False)
+    plain, p = program()
+    assert p["fused_nodes"] == 0
+    assert s["peak_bytes"] <= p["peak_bytes"], (s["peak_bytes"], p["peak_bytes"])
+    for a, b in zip(fused, plain):
+        assert torch.equal(a.cpu(), b.cpu())
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["alpha", "broadcast", "transposed", "large", "integer", "half", "out_of_place_view", "inplace"],
+)
+def test_what_eager_would_round_differently_or_cannot_be_one_loop_runs_plainly(case):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(8, 8, generator=g)
+    w = torch.randn(8, 8, generator=g)
+    fns = {
+        # alpha != 1: eager's vectorized add is one fused multiply-add, not a product then a sum.
+        "alpha": lambda x, w: torch.add(x, w, alpha=0.3).mul(1.5).add(w, alpha=2),
+        "broadcast": lambda x, w: (x + w[0]) * w[:, :1],
+        "transposed": lambda x, w: (x.t() * w) + w.t(),
+        "large": lambda x, w: (x.repeat(64, 80) * 2.0) + 1.0,
+        "integer": lambda x, w: ((x * 10).long() * 3) + 1,
+        "half": lambda x, w: (x.half() * 3.0) + 1.0,
+        "out_of_place_view": lambda x, w: (x * 2.0)[1:].reshape(-1) + 1.0,
+        "inplace": lambda x, w: x.clone().mul_(2.0).add_(w),
+    }
+    fn = fns[case]
+    (out,), s = fused_run(fn, x, w)
+    assert_bitwise(out, fn(x, w))
+    assert s["fused_nodes"] == 0, s
+
+
+def test_a_failed_operand_is_reported_as_without_fusion():
+    x = torch.randn(16).to(LAZY)
+    idx = torch.tensor([0, 99]).to(LAZY)
+    bad = x[idx]  # out of bounds: the gather fails when it runs
+    y = (bad * 2.0 + 1.0) * 3.0
+    with pytest.raises(IndexError, match="out of bounds"):
+        y.cpu()
+
+
+def test_set_fusion_turns_it_off_and_checks_its_argument():
+    x, w = operands(torch.float64)
+    fn = FORMS["chain"]
+    torch_lazymem.set_fusion(False)
+    assert not torch_lazymem.fusion()
+    (out,), s = fused_run(fn, x, w)
+    assert s["fused_nodes"] == 0
+    assert_bitwise(out, fn(x, w))
+    torch_lazymem.set_fusion(True)
+    assert torch_lazymem.fusion()
+    with pytest.raises(TypeError, match="lazymem: set_fusion"):
+        torch_lazymem.set_fusion("yes")
+
+
+def test_a_training_step_of_a_small_model_is_eagers_with_fusion():
+    # Small parameters: SGD with momentum by hand (add, mul, sub on 8-element tensors), the loss by hand.
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).double()
+    lazy = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).double()
+    lazy.load_state_dict(model.state_dict())
+    lazy = lazy.to(LAZY)
+    x = torch.randn(16, 4, dtype=torch.float64)
+    t = torch.randn(16, 2, dtype=torch.float64)
+
+    def step(m, x, t, bufs):
+        loss = ((m(x) - t) * (m(x) - t)).mean()
+        loss.backward()
+        with torch.no_grad():
+            for i, p in enumerate(m.parameters()):
+                bufs[i] = bufs[i] * 0.9 + p.grad
+                p.copy_(p - bufs[i] * 0.01)
+                p.grad = None
+        return loss
+
+    eb = [torch.zeros_like(p) for p in model.parameters()]
+    lb = [torch.zeros_like(p) for p in lazy.parameters()]
+    torch_lazymem.reset_stats()
+    for _ in range(3):
+        el = step(model, x, t, eb)
+        ll = step(lazy, x.to(LAZY), t.to(LAZY), lb)
+        assert_bitwise(ll, el)
+    assert torch_lazymem.stats()["fused_nodes"] > 0
+    for p, q in zip(lazy.parameters(), model.parameters()):
+        assert_bitwise(p, q)
