@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <unordered_map>
 #include <vector>
 
@@ -18,13 +19,29 @@
 namespace lazymem {
 namespace {
 
-enum class Op : uint8_t { kAdd, kSub, kMul, kDiv, kNeg, kRecip };
+// Each a correctly rounded IEEE operation, or exact, evaluated as eager's CPU kernel evaluates it.
+enum class Op : uint8_t {
+  kAdd, kSub, kMul, kDiv, kMaximum, kMinimum, // binary
+  kThresholdBackward,                         // (self, grad): self <= p ? 0 : grad
+  kNeg, kRecip, kAbs, kSquare, kCube, kInvSquare, // unary
+  kClampMin, kClampMax, kClamp                // unary with bounds p (and q)
+};
+
+enum class Args : uint8_t {
+  kBinary,    // (self, other[, alpha])
+  kUnary,     // (self)
+  kRelu,      // (self): clamp_min at 0
+  kClamp,     // (self, min?, max?), or clamp_min/clamp_max (self, bound)
+  kPow,       // (self, exponent): the exponents eager's kernel computes by products, sqrt or division
+  kThreshold, // threshold_backward(grad, self, threshold)
+};
 
 struct Form {
   Op op = Op::kAdd;
+  Args args = Args::kBinary;
   bool reversed = false; // rsub: other - self
-  bool unary = false;
   bool alpha = false;    // args[2] is alpha: fused only when it is 1
+  bool out = false;      // an out= form: its result is the (fresh) tensor it writes whole
 };
 
 struct Known {
@@ -38,18 +55,29 @@ const std::vector<Known>& known_ops() {
     auto add = [&](const char* name, const char* overload, Form f) {
       if (auto h = c10::Dispatcher::singleton().findSchema({name, overload})) v.push_back({*h, f});
     };
-    add("aten::add", "Tensor", {Op::kAdd, false, false, true});
-    add("aten::add", "Scalar", {Op::kAdd, false, false, true});
-    add("aten::sub", "Tensor", {Op::kSub, false, false, true});
-    add("aten::sub", "Scalar", {Op::kSub, false, false, true});
-    add("aten::rsub", "Tensor", {Op::kSub, true, false, true});
-    add("aten::rsub", "Scalar", {Op::kSub, true, false, true});
-    add("aten::mul", "Tensor", {Op::kMul, false, false, false});
-    add("aten::mul", "Scalar", {Op::kMul, false, false, false});
-    add("aten::div", "Tensor", {Op::kDiv, false, false, false});
-    add("aten::div", "Scalar", {Op::kDiv, false, false, false});
-    add("aten::neg", "", {Op::kNeg, false, true, false});
-    add("aten::reciprocal", "", {Op::kRecip, false, true, false});
+    using A = Args;
+    add("aten::add", "Tensor", {Op::kAdd, A::kBinary, false, true});
+    add("aten::add", "Scalar", {Op::kAdd, A::kBinary, false, true});
+    add("aten::sub", "Tensor", {Op::kSub, A::kBinary, false, true});
+    add("aten::sub", "Scalar", {Op::kSub, A::kBinary, false, true});
+    add("aten::rsub", "Tensor", {Op::kSub, A::kBinary, true, true});
+    add("aten::rsub", "Scalar", {Op::kSub, A::kBinary, true, true});
+    add("aten::mul", "Tensor", {Op::kMul, A::kBinary});
+    add("aten::mul", "Scalar", {Op::kMul, A::kBinary});
+    add("aten::div", "Tensor", {Op::kDiv, A::kBinary});
+    add("aten::div", "Scalar", {Op::kDiv, A::kBinary});
+    add("aten::maximum", "", {Op::kMaximum, A::kBinary});
+    add("aten::minimum", "", {Op::kMinimum, A::kBinary});
+    add("aten::neg", "", {Op::kNeg, A::kUnary});
+    add("aten::reciprocal", "", {Op::kRecip, A::kUnary});
+    add("aten::abs", "", {Op::kAbs, A::kUnary});
+    add("aten::abs", "out", {Op::kAbs, A::kUnary, false, false, true}); // (what at::abs records)
+    add("aten::relu", "", {Op::kClampMin, A::kRelu});
+    add("aten::clamp_min", "", {Op::kClampMin, A::kClamp});
+    add("aten::clamp_max", "", {Op::kClampMax, A::kClamp});
+    add("aten::clamp", "", {Op::kClamp, A::kClamp});
+    add("aten::pow", "Tensor_Scalar", {Op::kSquare, A::kPow});
+    add("aten::threshold_backward", "", {Op::kThresholdBackward, A::kThreshold});
     return v;
   }();
   return ops;
@@ -116,15 +144,37 @@ struct Operand {
 struct Fusible {
   bool ok = false;
   Op op = Op::kAdd;
-  Operand a, b; // b: kNone for unary ops
+  Operand a, b;   // b: kNone for unary ops
+  Number p, q;    // bounds (clamp), the threshold (threshold_backward)
+  int32_t out = -1; // an out= form: the use it writes (else its def is the result)
   c10::ScalarType dtype = c10::ScalarType::Undefined;
   int64_t numel = 0;
 };
 
+// A fusible node's result: its def, or the use its out= form writes.
+const TensorRef& result_of(const Node& n, int32_t out) {
+  return out < 0 ? n.defs[0].ref : n.uses[static_cast<size_t>(out)].ref;
+}
+
+// pow(x, e): the exponents eager's kernel computes by products and a division (PowKernel.cpp); not
+// 0.5 and -0.5 (its float sqrt is not correctly rounded on every CPU: 1 ulp from IEEE sqrt on the CI
+// machine's AVX-512), nor std::pow's.
+bool pow_op(const c10::IValue& e, Op& op) {
+  Number n;
+  if (!number_of(e, n) || e.isTensor() || e.isBool()) return false;
+  const double v = n.is_int ? static_cast<double>(n.i) : n.d;
+  if (v == 2.0) op = Op::kSquare;
+  else if (v == 3.0) op = Op::kCube;
+  else if (v == -2.0) op = Op::kInvSquare;
+  else if (v == -1.0) op = Op::kRecip;
+  else return false;
+  return true;
+}
+
 Fusible analyze(const PlannedNode& pn) {
   Fusible f;
   const Node& n = *pn.node;
-  if (n.random || n.effectful || n.upload || n.defs.size() != 1 || !n.device_args.empty() || n.uses.empty()) return f;
+  if (n.random || n.effectful || n.upload || !n.device_args.empty() || n.uses.empty()) return f;
   const Form* form = nullptr;
   for (const Known& k : known_ops()) {
     if (k.handle == pn.op) {
@@ -132,22 +182,70 @@ Fusible analyze(const PlannedNode& pn) {
       break;
     }
   }
-  if (!form) return f;
-  const TensorMeta& m = n.defs[0].ref.meta;
+  if (!form || n.defs.size() != (form->out ? 0u : 1u)) return f;
+  if (form->out) {
+    // Writes the whole of its out= tensor, and nothing else.
+    for (size_t i = 0; i < n.uses.size(); ++i) {
+      const Use& u = n.uses[i];
+      if (!u.write) continue;
+      if (f.out >= 0 || !u.full_overwrite() || u.elem != -1) return f;
+      f.out = static_cast<int32_t>(i);
+    }
+    if (f.out < 0) return f;
+  }
+  const TensorRef& result = result_of(n, f.out);
+  const TensorMeta& m = result.meta;
   if ((m.dtype != c10::ScalarType::Float && m.dtype != c10::ScalarType::Double) || m.conj || m.neg || m.offset != 0 ||
       !row_major(m)) {
     return f;
   }
   const int64_t numel = m.numel();
   if (numel < 1 || numel > kMaxFusedElements ||
-      n.defs[0].ref.buf->nbytes.load(std::memory_order_relaxed) !=
+      result.buf->nbytes.load(std::memory_order_relaxed) !=
           static_cast<size_t>(numel) * c10::elementSize(m.dtype)) {
     return f;
   }
-  const size_t operands = form->unary ? 1 : 2;
-  if (form->alpha && (n.args.size() < 3 || !is_one(n.args[2]))) return f;
+  f.op = form->op;
+  // The operands (argument positions) and the op's numbers.
+  size_t operands = 1;
+  switch (form->args) {
+    case Args::kBinary:
+      operands = 2;
+      if (form->alpha && (n.args.size() < 3 || !is_one(n.args[2]))) return f;
+      break;
+    case Args::kUnary:
+      break;
+    case Args::kRelu:
+      f.p.is_int = true; // clamp_min(x, 0)
+      break;
+    case Args::kClamp: {
+      // clamp(x, min?, max?) with one bound is clamp_min or clamp_max; with none, eager's error. A NaN
+      // bound is not fused (what eager makes of it is its kernel's business).
+      const c10::IValue none;
+      const c10::IValue& lo = form->op == Op::kClampMax ? none : n.args.size() > 1 ? n.args[1] : none;
+      const c10::IValue& hi = form->op == Op::kClampMax ? (n.args.size() > 1 ? n.args[1] : none)
+                              : form->op == Op::kClamp && n.args.size() > 2 ? n.args[2] : none;
+      Number* next = &f.p;
+      for (const c10::IValue* bound : {&lo, &hi}) {
+        if (bound->isNone()) continue;
+        if (bound->isTensor() || !number_of(*bound, *next) || (!next->is_int && std::isnan(next->d))) return f;
+        next = &f.q;
+      }
+      if (lo.isNone() && hi.isNone()) return f;
+      f.op = !lo.isNone() && !hi.isNone() ? Op::kClamp : !lo.isNone() ? Op::kClampMin : Op::kClampMax;
+      break;
+    }
+    case Args::kPow:
+      if (n.args.size() < 2 || !pow_op(n.args[1], f.op)) return f;
+      break;
+    case Args::kThreshold:
+      operands = 2;
+      if (n.args.size() < 3 || n.args[2].isTensor() || !number_of(n.args[2], f.p)) return f;
+      break;
+  }
   Operand ops[2];
   for (size_t i = 0; i < n.uses.size(); ++i) {
+    if (static_cast<int32_t>(i) == f.out) continue;
     const Use& u = n.uses[i];
     const TensorMeta& um = u.ref.meta;
     // (Of the result's numel, a dense operand is the result's shape up to leading 1s: no broadcast.)
@@ -161,15 +259,18 @@ Fusible analyze(const PlannedNode& pn) {
   }
   for (size_t a = 0; a < operands; ++a) {
     if (ops[a].kind != Operand::kNone) continue;
-    if (a >= n.args.size() || !number_of(n.args[a], ops[a].number)) return f;
+    // (threshold_backward's operands are both tensors; a tensor argument that is no lazymem value
+    // and not 0-dim is not fused)
+    if (form->args == Args::kThreshold || a >= n.args.size() || !number_of(n.args[a], ops[a].number)) return f;
     ops[a].kind = Operand::kNumber;
   }
-  f.ok = true;
-  f.op = form->op;
-  f.a = form->reversed ? ops[1] : ops[0];
-  f.b = form->unary ? Operand() : (form->reversed ? ops[0] : ops[1]);
+  // threshold_backward(grad, self, t) computes from (self, grad); rsub(self, other) is other - self.
+  const bool swap = form->reversed || form->args == Args::kThreshold;
+  f.a = swap ? ops[1] : ops[0];
+  f.b = operands == 1 ? Operand() : (swap ? ops[0] : ops[1]);
   f.dtype = m.dtype;
   f.numel = numel;
+  f.ok = true;
   return f;
 }
 
@@ -187,12 +288,15 @@ struct Chains {
 
   // The longest run of fusible nodes from `i` of one dtype and size, cut where the results it would
   // allocate up front come to more than the plain runs of its nodes hold at their peak. Returns its
-  // end (i when shorter than two nodes).
+  // end (i: none).
   size_t grow(const Stage& st, size_t i) {
     defined_.clear();
     int64_t held = 0, peak = 0, escaping = 0; // bytes beyond what the stage holds at the chain's start
     size_t best = i;
-    for (size_t k = i; k < st.nodes.size(); ++k) {
+    // (A prefix past the cut fits again only once values of the chain die: not looked for further
+    // than kLookPast nodes, so that finding the chains stays linear in the stage's nodes.)
+    constexpr size_t kLookPast = 64;
+    for (size_t k = i; k < st.nodes.size() && k < best + kLookPast; ++k) {
       const Fusible& f = nodes[k];
       if (!f.ok || f.dtype != nodes[i].dtype || f.numel != nodes[i].numel) break;
       const Node& n = *st.nodes[k].node;
@@ -208,7 +312,7 @@ struct Chains {
         from[k][s] = static_cast<int32_t>(it->second);
       }
       if (!ok) break;
-      const LazyBuffer* out = n.defs[0].ref.buf.get();
+      const LazyBuffer* out = result_of(n, f.out).buf.get();
       defined_.emplace(out, k);
       held += static_cast<int64_t>(bytes(out));
       escaping += static_cast<int64_t>(bytes(out));
@@ -217,9 +321,9 @@ struct Chains {
         held -= static_cast<int64_t>(bytes(b));
         if (defined_.count(b)) escaping -= static_cast<int64_t>(bytes(b));
       }
-      if (k > i && escaping <= peak) best = k + 1;
+      if (escaping <= peak) best = k + 1;
     }
-    if (best < i + 2) return i;
+    if (best == i) return i;
     for (size_t k = i; k < best; ++k) escapes[k] = 1;
     for (size_t k = i; k < best; ++k) {
       for (LazyBuffer* b : st.released_after(st.nodes[k])) {
@@ -260,6 +364,7 @@ struct Step {
   T* d = nullptr;
   int32_t ra = -1, rb = -1, rd = -1; // registers (-1: the pointer, or the number when it is null)
   T na = 0, nb = 0;
+  T p = 0, q = 0; // bounds, threshold
 };
 
 template <typename T, typename F>
@@ -308,13 +413,35 @@ void run_steps(const std::vector<Step<T>>& steps, int64_t numel, int32_t registe
   for (int64_t at = 0; at < numel; at += stride) {
     const int64_t n = std::min(stride, numel - at);
     for (const Step<T>& s : steps) {
+      T* r = regs.data();
+      const T p = s.p, q = s.q;
+      // (std::max(x, p) is (x < p) ? p : x, as both of eager's paths for clamp_min; a NaN x stays.)
       switch (s.op) {
-        case Op::kAdd: run_step(s, at, n, regs.data(), stride, [](T x, T y) { return x + y; }); break;
-        case Op::kSub: run_step(s, at, n, regs.data(), stride, [](T x, T y) { return x - y; }); break;
-        case Op::kMul: run_step(s, at, n, regs.data(), stride, [](T x, T y) { return x * y; }); break;
-        case Op::kDiv: run_step(s, at, n, regs.data(), stride, [](T x, T y) { return x / y; }); break;
-        case Op::kNeg: run_step(s, at, n, regs.data(), stride, [](T x, T) { return -x; }); break;
-        case Op::kRecip: run_step(s, at, n, regs.data(), stride, [](T x, T) { return T(1) / x; }); break;
+        case Op::kAdd: run_step(s, at, n, r, stride, [](T x, T y) { return x + y; }); break;
+        case Op::kSub: run_step(s, at, n, r, stride, [](T x, T y) { return x - y; }); break;
+        case Op::kMul: run_step(s, at, n, r, stride, [](T x, T y) { return x * y; }); break;
+        case Op::kDiv: run_step(s, at, n, r, stride, [](T x, T y) { return x / y; }); break;
+        case Op::kMaximum:
+          run_step(s, at, n, r, stride, [](T x, T y) { return x != x ? x : y != y ? y : x < y ? y : x; });
+          break;
+        case Op::kMinimum:
+          run_step(s, at, n, r, stride, [](T x, T y) { return x != x ? x : y != y ? y : y < x ? y : x; });
+          break;
+        case Op::kThresholdBackward: run_step(s, at, n, r, stride, [p](T x, T y) { return x <= p ? T(0) : y; }); break;
+        case Op::kNeg: run_step(s, at, n, r, stride, [](T x, T) { return -x; }); break;
+        case Op::kRecip: run_step(s, at, n, r, stride, [](T x, T) { return T(1) / x; }); break;
+        case Op::kAbs: run_step(s, at, n, r, stride, [](T x, T) { return std::abs(x); }); break;
+        case Op::kSquare: run_step(s, at, n, r, stride, [](T x, T) { return x * x; }); break;
+        case Op::kCube: run_step(s, at, n, r, stride, [](T x, T) { return x * x * x; }); break;
+        case Op::kInvSquare: run_step(s, at, n, r, stride, [](T x, T) { return T(1) / (x * x); }); break;
+        case Op::kClampMin: run_step(s, at, n, r, stride, [p](T x, T) { return x < p ? p : x; }); break;
+        case Op::kClampMax: run_step(s, at, n, r, stride, [p](T x, T) { return p < x ? p : x; }); break;
+        case Op::kClamp:
+          run_step(s, at, n, r, stride, [p, q](T x, T) {
+            const T y = x < p ? p : x;
+            return q < y ? q : y;
+          });
+          break;
       }
     }
   }
@@ -353,8 +480,14 @@ class FusionRunner final : public StageRunner {
     std::vector<Step<T>> steps(q - p);
     for (size_t k = p; k < q; ++k) {
       const Fusible& f = c.nodes[k];
+      if (f.out >= 0 && result_of(*st.nodes[k].node, f.out).buf->has_real()) { // (an out= tensor that exists)
+        stats().fusion_fallbacks.fetch_add(1, std::memory_order_relaxed);
+        return p;
+      }
       Step<T>& s = steps[k - p];
       s.op = f.op;
+      s.p = f.p.as<T>();
+      s.q = f.q.as<T>();
       for (int o = 0; o < 2; ++o) {
         const Operand& op = o == 0 ? f.a : f.b;
         const T** ptr = o == 0 ? &s.a : &s.b;
@@ -373,7 +506,7 @@ class FusionRunner final : public StageRunner {
     std::vector<c10::Storage> kept(q - p);
     try {
       for (size_t k = p; k < q; ++k) {
-        if (c.escapes[k]) kept[k - p] = allocate_real(bytes(st.nodes[k].node->defs[0].ref.buf.get()));
+        if (c.escapes[k]) kept[k - p] = allocate_real(bytes(result_of(*st.nodes[k].node, c.nodes[k].out).buf.get()));
       }
     } catch (const c10::OutOfMemoryError&) {
       stats().fusion_fallbacks.fetch_add(1, std::memory_order_relaxed);
@@ -422,7 +555,13 @@ class FusionRunner final : public StageRunner {
     for (size_t k = p; k < q; ++k) {
       const PlannedNode& pn = st.nodes[k];
       observe_node_time(node_time_key(pn), 1, ns / static_cast<int64_t>(q - p));
-      walk.bookkeep(k, kept[k - p] ? c10::ArrayRef<c10::Storage>(kept[k - p]) : c10::ArrayRef<c10::Storage>());
+      // (Its result's storage in its slot: def 0, or the use an out= form writes.)
+      c10::SmallVector<c10::Storage, 2> results;
+      if (kept[k - p]) {
+        results.resize(static_cast<size_t>(std::max(c.nodes[k].out, 0)) + 1);
+        results.back() = std::move(kept[k - p]);
+      }
+      walk.bookkeep(k, results);
     }
     stats().fused_chains.fetch_add(1, std::memory_order_relaxed);
     stats().fused_nodes.fetch_add(q - p, std::memory_order_relaxed);
