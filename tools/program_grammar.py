@@ -235,8 +235,8 @@ class Net(nn.Module):
         h = self.stem(x)
         if self.spec.kind == "img":
             h = activation(self.spec, h)
-        if self.spec.arith:  # h + 0.5, in six ops
-            h = (1 - ((h * 0.75 + 0.125) - h / 4.0) * 2).neg() + 1.25
+        if self.spec.arith:  # h + 0.5, in nine ops
+            h = torch.maximum((1 - ((h * 0.75 + 0.125) - h / 4.0) * 2).neg() + 1.25, h - 1).clamp(-1e6, 1e6)
         for i, b in enumerate(self.blocks):
             for _, op in (r for r in self.spec.rand_ops if r[0] == i):
                 h = random_op(op, h)
