@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds a copy of this checkout against another torch, in a virtual environment of its own, and runs
-# the README's main command (tools/demo.py) and the split and sync test modules there. The torch
+# the README's main command (tools/demo.py) and the split, sync and fusion test modules there (fusion
+# matches eager's CPU kernels op by op: their rounding is that torch's). The torch
 # versions setup.py declares are the ones this script has run (DESIGN.md §8: 2.11 on the GPU
 # machines, 2.13 in CI).
 #
@@ -50,6 +51,7 @@ step() {
 }
 step build "$V" setup.py -q build_ext --inplace
 step demo env PYTHONPATH=. "$V" tools/demo.py
-step tests env PYTHONPATH=. "$V" -m pytest -q -p no:cacheprovider test/python/test_split_*.py test/python/test_sync_points.py
+step tests env PYTHONPATH=. "$V" -m pytest -q -p no:cacheprovider test/python/test_split_*.py test/python/test_sync_points.py \
+  test/python/test_fusion.py
 [ -f "$WORK/tests.log" ] && grep -E "passed|failed" "$WORK/tests.log" | tail -n 1
 exit $status
