@@ -9,6 +9,8 @@ Rows of the printed table:
    subtracted. Goal: <= 2 us/op.
 2. Recording cost per op when every op misses the meta cache (a never-seen shape each op), so
    the meta kernel really runs for each op.
+3i. Issue 30's own loop: ``a = a * 1.0001 + 0.001`` 2,000 times on 1,024 floats, read once; with
+   pointwise fusion (the default on the CPU backing) and without (``set_fusion(False)``). Goal: <= 1.0x.
 3. End-to-end (a): 10,000 tiny elementwise ops, recorded and then materialized with ``.item()``,
    vs the same ops on eager CPU. Goal: lazymem/eager <= 2.0x. Then again with pipelined execution
    (``torch_lazymem.set_pipeline(True)``: batches of the recorded chain run on a worker thread while
@@ -137,6 +139,29 @@ def bench_tiny(n_ops: int, reps: int) -> dict:
     return r
 
 
+def bench_issue_loop(reps: int) -> dict:
+    """Row 3i, end-to-end: issue 30's own loop, `a = a * 1.0001 + 0.001` 2,000 times on 1,024 floats,
+    read once; fused on the CPU backing (set_fusion), and again plainly."""
+
+    def loop(a: torch.Tensor) -> torch.Tensor:
+        for _ in range(2000):
+            a = a * 1.0001 + 0.001
+        return a
+
+    x = torch.ones(1024)
+    xl = x.to(LAZY)
+    sync()
+    r = e2e(lambda: loop(xl), lambda: loop(x), lambda t: t.sum().item(), reps, warmup=2)
+    r["equal"] = r["lazy_val"] == r["eager_val"]
+    torch_lazymem.set_fusion(False)
+    try:
+        plain = e2e(lambda: loop(xl), lambda: loop(x), lambda t: t.sum().item(), reps, warmup=2)
+    finally:
+        torch_lazymem.set_fusion(True)
+    r["plain"], r["plain_eager"] = plain["lazy"], plain["eager"]
+    return r
+
+
 def bench_mlp(batch: int, width: int, layers: int, reps: int) -> dict:
     """Row 4, end-to-end (b): MLP forward, then .cpu() of the output."""
     g = torch.Generator().manual_seed(0)
@@ -183,6 +208,7 @@ def main() -> None:
     us_cached, us_eager, st1 = bench_cached(n_cached, reps)
     us_uncached, st2 = bench_uncached(n_uncached, reps)
     a = bench_tiny(n_tiny, reps)
+    ai = bench_issue_loop(reps)
     torch_lazymem.set_pipeline(True)  # (a) again, executed on a worker while it is recorded
     try:
         torch_lazymem.reset_stats()
@@ -206,6 +232,11 @@ def main() -> None:
          f"{ra:.2f}x", "<= 2.0x", verdict(ra, 2.0), f"{n_tiny} ops on 16 floats"),
         ("   (a) record / replay (ms)", f"{a['record'] * ms:.2f} / {a['replay'] * ms:.2f}", "", "", "", "",
          f"record {a['record'] / n_tiny * 1e6:.2f} us/op, replay {a['replay'] / n_tiny * 1e6:.2f} us/op"),
+        ("3i. issue 30's loop (ms)", f"{ai['lazy'] * ms:.2f}", f"{ai['eager'] * ms:.2f}",
+         f"{ai['lazy'] / ai['eager']:.2f}x", "<= 1.0x", verdict(ai['lazy'] / ai['eager'], 1.0),
+         f"a = a * 1.0001 + 0.001, 2,000 times on 1,024 floats; equal to eager: {ai['equal']}"),
+        ("   not fused (ms)", f"{ai['plain'] * ms:.2f}", f"{ai['plain_eager'] * ms:.2f}",
+         f"{ai['plain'] / ai['plain_eager']:.2f}x", "", "", "torch_lazymem.set_fusion(False)"),
         ("3p. (a) pipelined (ms)", f"{ap['lazy'] * ms:.2f}", f"{ap['eager'] * ms:.2f}",
          f"{rap:.2f}x", "<= 1.0x", verdict(rap, 1.0),
          f"set_pipeline(True): {ap['batches']} batches on the worker; equal to eager: {ap['equal']}"),
