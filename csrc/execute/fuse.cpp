@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <unordered_map>
 #include <vector>
 
@@ -116,6 +117,14 @@ bool number_of(const c10::IValue& v, Number& out) {
     case c10::ScalarType::Bool: out.is_int = true; out.i = *t.const_data_ptr<bool>(); return true;
     default: return false;
   }
+}
+
+// A Scalar argument the kernel converts with Scalar::to<T>() (clamp's bounds, the threshold): a
+// finite double past float's range raises there ("cannot be converted ... without overflow"), so
+// such a node runs plainly and raises as eager does.
+bool converts(const Number& n, c10::ScalarType dtype) {
+  return n.is_int || dtype != c10::ScalarType::Float || !std::isfinite(n.d) ||
+         std::abs(n.d) <= static_cast<double>(std::numeric_limits<float>::max());
 }
 
 bool is_one(const c10::IValue& v) {
@@ -231,7 +240,7 @@ Fusible analyze(const PlannedNode& pn) {
         if (bound->isTensor() || !number_of(*bound, *next) || (!next->is_int && std::isnan(next->d))) return f;
         next = &f.q;
       }
-      if (lo.isNone() && hi.isNone()) return f;
+      if ((lo.isNone() && hi.isNone()) || !converts(f.p, m.dtype) || !converts(f.q, m.dtype)) return f;
       f.op = !lo.isNone() && !hi.isNone() ? Op::kClamp : !lo.isNone() ? Op::kClampMin : Op::kClampMax;
       break;
     }
@@ -240,7 +249,7 @@ Fusible analyze(const PlannedNode& pn) {
       break;
     case Args::kThreshold:
       operands = 2;
-      if (n.args.size() < 3 || n.args[2].isTensor() || !number_of(n.args[2], f.p)) return f;
+      if (n.args.size() < 3 || n.args[2].isTensor() || !number_of(n.args[2], f.p) || !converts(f.p, m.dtype)) return f;
       break;
   }
   Operand ops[2];

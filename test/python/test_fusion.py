@@ -186,6 +186,15 @@ def test_a_view_of_an_operand_from_outside_is_read_at_its_offset():
     assert_bitwise(out, fn(x))
 
 
+def test_a_bound_eager_cannot_convert_raises_as_eager_raises():
+    x = torch.randn(8)
+    with pytest.raises(RuntimeError) as eager:
+        (x * 2.0).clamp(max=1e300)
+    with pytest.raises(RuntimeError, match="overflow") as lazy:
+        (x.to(LAZY) * 2.0).clamp(max=1e300).cpu()
+    assert "overflow" in str(eager.value) and "clamp" in str(lazy.value)
+
+
 def test_a_failed_operand_is_reported_as_without_fusion():
     x = torch.randn(16).to(LAZY)
     idx = torch.tensor([0, 99]).to(LAZY)
