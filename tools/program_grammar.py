@@ -235,8 +235,9 @@ class Net(nn.Module):
         h = self.stem(x)
         if self.spec.kind == "img":
             h = activation(self.spec, h)
-        if self.spec.arith:  # h + 0.5, in nine ops
+        if self.spec.arith:  # h + 0.5, in nine ops, then four in place
             h = torch.maximum((1 - ((h * 0.75 + 0.125) - h / 4.0) * 2).neg() + 1.25, h - 1).clamp(-1e6, 1e6)
+            h = (h * 2.0).mul_(0.5).add_(0.25).sub_(0.25)
         for i, b in enumerate(self.blocks):
             for _, op in (r for r in self.spec.rand_ops if r[0] == i):
                 h = random_op(op, h)

@@ -4,19 +4,23 @@
 // allocation (~1.6 us for 16 floats on the CI machine), where its arithmetic takes nanoseconds. A
 // loop of such ops (`a = a * 1.0001 + 0.001`, thousands of times) therefore replayed as slowly as
 // eager ran it, after recording it: 1.3x eager's time. In a whole stage, a run of consecutive nodes
-// each of which is one correctly rounded IEEE operation — add and sub with alpha 1, mul, div, neg,
-// reciprocal — on dense float or double tensors of one size (an operand may be a 0-dim host
-// constant: a Python number), with at most kMaxFusedElements elements (below ATen's grain size: its
-// kernels run on one thread there too), runs as one loop over blocks of elements. Each op computes
-// the same correctly rounded value in the same dtype as eager's kernel (ATen's vectorized add is
-// fmadd(b, alpha, a), which with alpha 1 rounds a + b once), so results are bitwise eager's.
+// (one or more) each of which is one correctly rounded or exact IEEE operation — add and sub with
+// alpha 1, mul, div, neg, reciprocal, abs, maximum, minimum, relu, clamp by numbers, pow by 2, 3, -2
+// or -1, threshold_backward; functional, out= or in place — on dense float or double tensors of one
+// size (an operand may be a 0-dim host constant: a Python number), with at most kMaxFusedElements
+// elements (below ATen's grain size: its kernels run on one thread there too), runs as one loop over
+// blocks of elements. Each op computes the value eager's kernel computes, in the same dtype (ATen's
+// vectorized add is fmadd(b, alpha, a), which with alpha 1 rounds a + b once; its clamp_min is
+// max_ps(min, x), which is (x < min) ? min : x), so results are bitwise eager's. Not sqrt: eager's
+// float sqrt is not IEEE's on every CPU.
 //
 // Memory: a value that dies inside the chain gets no storage; the chain's other results are
 // allocated before it runs, so a chain is fused only as far as those bytes stay within what running
-// its nodes one by one holds at its peak (what the plan predicted). Nodes whose operands are not on
-// the device, poisoned, or of another version than recorded run plainly (the plain path reports
-// them). stats(): fused_chains, fused_nodes. torch_lazymem.set_fusion(False) (LAZYMEM_FUSION=0)
-// turns it off.
+// its nodes one by one holds at its peak (what the plan predicted). In place: a tensor the chain
+// updates is read and written through one view only (blocks of one view are not another's), else the
+// chain is cut there. Nodes whose operands are not on the device, poisoned, or of another version than
+// recorded run plainly (the plain path reports them). stats(): fused_chains, fused_nodes,
+// fusion_fallbacks. torch_lazymem.set_fusion(False) (LAZYMEM_FUSION=0) turns it off.
 #pragma once
 
 #include <cstdint>
