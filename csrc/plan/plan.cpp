@@ -209,6 +209,7 @@ std::vector<StageTransfers> plan_transfers(const Plan& plan) {
       const Node& n = *pn.node;
       for (size_t i = 0; i < n.uses.size(); ++i) {
         const Use& u = n.uses[i];
+        if (!n.upload && !on_host(u.ref.buf.get())) continue; // (most operands: nothing crosses)
         const bool whole = pn.uses.empty() || pn.uses[i].bind == Bind::kWhole;
         const int64_t view = static_cast<int64_t>(u.ref.meta.numel() * c10::elementSize(u.ref.meta.dtype));
         if (n.upload && u.write) {
