@@ -2,6 +2,7 @@
 #include "execute/fuse.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <unordered_map>
@@ -29,6 +30,13 @@ size_t bytes(const LazyBuffer* b) {
   return b->nbytes.load(std::memory_order_relaxed);
 }
 
+// This thread's instance `I` of a T, kept from one execution to the next (capacity reused).
+template <typename T, int I = 0>
+T& scratch() {
+  thread_local T t;
+  return t;
+}
+
 // A stage's chains, found once per execution: where each starts and ends, and its nodes as analyzed.
 struct Chains {
   std::vector<Fusible> nodes;
@@ -44,7 +52,13 @@ struct Chains {
   // allocate up front come to more than the plain runs of its nodes hold at their peak. Returns its
   // end (i: none).
   size_t grow(const Stage& st, size_t i) {
-    defined_.clear();
+    // The chain's results by buffer (LazyBuffer::fuse_stamp/fuse_pos): owner(b) is the position of
+    // the node whose result holds b's value, or -1.
+    static std::atomic<uint64_t> stamps{0};
+    const uint64_t stamp = stamps.fetch_add(1, std::memory_order_relaxed) + 1;
+    auto owner = [stamp](const LazyBuffer* b) -> int64_t {
+      return b->fuse_stamp == stamp ? static_cast<int64_t>(b->fuse_pos) : -1;
+    };
     outside_.clear();
     int64_t held = 0, peak = 0, escaping = 0; // bytes beyond what the stage holds at the chain's start
     size_t best = i;
@@ -61,10 +75,9 @@ struct Chains {
         from[k][s] = kOutside;
         if (o.kind != Operand::kTensor) continue;
         const TensorRef& r = n.uses[o.use].ref;
-        auto it = defined_.find(r.buf.get());
-        if (it != defined_.end()) {
+        if (const int64_t at = owner(r.buf.get()); at >= 0) {
           ok = ok && r.meta.offset == 0; // (not a view into the middle of a value of the chain)
-          from[k][s] = static_cast<int32_t>(it->second);
+          from[k][s] = static_cast<int32_t>(at);
           continue;
         }
         // From outside: every view of a tensor the chain updates in place must be the same elements
@@ -85,19 +98,20 @@ struct Chains {
       // (An out= tensor written first here: not one the chain read or wrote before.)
       if (!f.inplace) {
         const LazyBuffer* out = result_of(n, f.out).buf.get();
-        ok = ok && !defined_.count(out) && !outside_.count(out);
+        ok = ok && owner(out) < 0 && !outside_.count(out);
       }
       if (!ok) break;
       if (!f.inplace) {
-        const LazyBuffer* out = result_of(n, f.out).buf.get();
-        defined_.emplace(out, k);
+        LazyBuffer* out = result_of(n, f.out).buf.get();
+        out->fuse_stamp = stamp;
+        out->fuse_pos = static_cast<uint32_t>(k);
         held += static_cast<int64_t>(bytes(out));
         escaping += static_cast<int64_t>(bytes(out));
         peak = std::max(peak, held);
       }
       for (LazyBuffer* b : st.released_after(st.nodes[k])) {
         held -= static_cast<int64_t>(bytes(b));
-        if (defined_.count(b)) escaping -= static_cast<int64_t>(bytes(b));
+        if (owner(b) >= 0) escaping -= static_cast<int64_t>(bytes(b));
       }
       if (escaping <= peak) best = k + 1;
     }
@@ -106,15 +120,19 @@ struct Chains {
     for (size_t k = i; k < best; ++k) escapes[k] = !nodes[k].inplace;
     for (size_t k = i; k < best; ++k) {
       for (LazyBuffer* b : st.released_after(st.nodes[k])) {
-        auto it = defined_.find(b);
-        if (it != defined_.end() && it->second < best) escapes[it->second] = 0;
+        if (const int64_t at = owner(b); at >= 0 && static_cast<size_t>(at) < best) escapes[static_cast<size_t>(at)] = 0;
       }
     }
     return best;
   }
 
-  explicit Chains(const Stage& st)
-      : nodes(st.nodes.size()), end(st.nodes.size(), 0), from(st.nodes.size()), escapes(st.nodes.size(), 0) {
+  // Finds the chains of `st` (the vectors keep their capacity from stage to stage: a stage of 10,000
+  // tiny nodes freed and allocated a megabyte per sync, and glibc consolidated its free lists each time).
+  void build(const Stage& st) {
+    nodes.resize(st.nodes.size());
+    end.assign(st.nodes.size(), 0);
+    from.resize(st.nodes.size());
+    escapes.assign(st.nodes.size(), 0);
     for (size_t i = 0; i < st.nodes.size(); ++i) nodes[i] = fuse::analyze(st.nodes[i]);
     for (size_t i = 0; i < st.nodes.size();) {
       const size_t e = nodes[i].ok ? grow(st, i) : i;
@@ -128,7 +146,6 @@ struct Chains {
   }
 
  private:
-  std::unordered_map<const LazyBuffer*, size_t> defined_; // grow's: a chain's results, by buffer
   struct Outside {
     const TensorMeta* meta; // the first view read
     bool same;              // every view read so far is that one
@@ -215,7 +232,8 @@ void run_step(const Step<T>& s, int64_t at, int64_t n, T* regs, int64_t stride, 
 template <typename T>
 void run_steps(const std::vector<Step<T>>& steps, int64_t numel, int32_t registers) {
   const int64_t stride = std::min(kBlock, numel);
-  std::vector<T> regs(static_cast<size_t>(std::max(registers, 1) * stride));
+  std::vector<T>& regs = scratch<std::vector<T>>();
+  regs.resize(static_cast<size_t>(std::max(registers, 1) * stride));
   for (int64_t at = 0; at < numel; at += stride) {
     const int64_t n = std::min(stride, numel - at);
     for (const Step<T>& s : steps) {
@@ -257,9 +275,11 @@ class FusionRunner final : public StageRunner {
  public:
   size_t run_from(size_t p, StageWalk& walk) override {
     const Stage& st = walk.stage();
-    auto it = chains_.find(&st);
-    if (it == chains_.end()) it = chains_.emplace(&st, Chains(st)).first;
-    const Chains& c = it->second;
+    if (&st != stage_) { // (the plan's whole stages come one after another)
+      chains_.build(st);
+      stage_ = &st;
+    }
+    const Chains& c = chains_;
     if (c.end[p] == 0) return p;
     return c.nodes[p].dtype == c10::ScalarType::Float ? run<float>(st, c, p, walk) : run<double>(st, c, p, walk);
   }
@@ -284,7 +304,8 @@ class FusionRunner final : public StageRunner {
       }
       return static_cast<T*>(b.real.mutable_data()) + u.ref.meta.offset;
     };
-    std::vector<Step<T>> steps(q - p);
+    std::vector<Step<T>>& steps = scratch<std::vector<Step<T>>>();
+    steps.assign(q - p, Step<T>());
     for (size_t k = p; k < q; ++k) {
       const Fusible& f = c.nodes[k];
       if (f.out >= 0 && !f.inplace && result_of(*st.nodes[k].node, f.out).buf->has_real()) { // (an out= tensor that exists)
@@ -314,23 +335,29 @@ class FusionRunner final : public StageRunner {
     }
     // Results that outlive the chain get their storage now (before any ran: out of memory here,
     // the plain path runs the nodes and reports it).
-    std::vector<c10::Storage> kept(q - p);
+    std::vector<c10::Storage>& kept = scratch<std::vector<c10::Storage>>();
+    kept.assign(q - p, c10::Storage()); // (emptied again when the chain is done)
     try {
       for (size_t k = p; k < q; ++k) {
         if (c.escapes[k]) kept[k - p] = allocate_real(bytes(result_of(*st.nodes[k].node, c.nodes[k].out).buf.get()));
       }
     } catch (const c10::OutOfMemoryError&) {
+      kept.clear(); // (what was allocated goes back before the plain run)
       stats().fusion_fallbacks.fetch_add(1, std::memory_order_relaxed);
       return p;
     }
     // Registers for the values that die in the chain: taken at their node, free after their last reader.
-    std::vector<size_t> last(q - p, 0);
+    std::vector<size_t>& last = scratch<std::vector<size_t>>();
+    last.assign(q - p, 0);
     for (size_t k = p; k < q; ++k) {
       for (int o = 0; o < 2; ++o) {
         if (c.from[k][o] >= 0) last[static_cast<size_t>(c.from[k][o]) - p] = k - p;
       }
     }
-    std::vector<int32_t> reg(q - p, -1), free_regs;
+    std::vector<int32_t>& reg = scratch<std::vector<int32_t>, 0>();
+    std::vector<int32_t>& free_regs = scratch<std::vector<int32_t>, 1>();
+    reg.assign(q - p, -1);
+    free_regs.clear();
     int32_t registers = 0;
     for (size_t k = p; k < q; ++k) {
       Step<T>& s = steps[k - p];
@@ -379,12 +406,15 @@ class FusionRunner final : public StageRunner {
       }
       walk.bookkeep(k, results);
     }
+    kept.clear();
     stats().fused_chains.fetch_add(1, std::memory_order_relaxed);
     stats().fused_nodes.fetch_add(q - p, std::memory_order_relaxed);
     return q;
   }
 
-  std::unordered_map<const Stage*, Chains> chains_;
+  // This thread's (executions on a thread run one at a time, under the flush lock).
+  Chains& chains_ = scratch<Chains>();
+  const Stage* stage_ = nullptr;
 };
 
 } // namespace
@@ -392,7 +422,7 @@ class FusionRunner final : public StageRunner {
 std::unique_ptr<StageRunner> fusion_runner(const Plan& plan) {
   if (!config().fusion.load(std::memory_order_relaxed) || !backing_device().is_cpu()) return nullptr;
   for (const Stage& st : plan.stages) {
-    if (!st.loop && st.nodes.size() >= 2) return std::make_unique<FusionRunner>();
+    if (!st.loop && !st.nodes.empty()) return std::make_unique<FusionRunner>();
   }
   return nullptr;
 }

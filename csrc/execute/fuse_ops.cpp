@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <limits>
+#include <unordered_map>
 #include <vector>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -162,19 +163,24 @@ bool pow_op(const c10::IValue& e, Op& op) {
   return true;
 }
 
+// The form of `op`, or nullptr: one hash of its schema's address (the operator table's entry).
+const Form* form_of(const c10::OperatorHandle& op) {
+  static const std::unordered_map<const c10::FunctionSchema*, const Form*> by_schema = [] {
+    std::unordered_map<const c10::FunctionSchema*, const Form*> m;
+    for (const Known& k : known_ops()) m.emplace(&k.handle.schema(), &k.form);
+    return m;
+  }();
+  auto it = by_schema.find(&op.schema());
+  return it == by_schema.end() ? nullptr : it->second;
+}
+
 } // namespace
 
 Fusible analyze(const PlannedNode& pn) {
   Fusible f;
   const Node& n = *pn.node;
   if (n.random || n.effectful || n.upload || !n.device_args.empty() || n.uses.empty()) return f;
-  const Form* form = nullptr;
-  for (const Known& k : known_ops()) {
-    if (k.handle == pn.op) {
-      form = &k.form;
-      break;
-    }
-  }
+  const Form* form = form_of(pn.op);
   const bool writes = form && (form->out || form->inplace);
   if (!form || n.defs.size() != (writes ? 0u : 1u)) return f;
   if (writes) {

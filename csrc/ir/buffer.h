@@ -75,6 +75,11 @@ struct LazyBuffer : c10::intrusive_ptr_target {
   // True while the buffer holds data of its own (real storage, or a pending upload's host snapshot):
   // its death while a pending node still names it is worth a sweep (Program::collect_dead).
   std::atomic<bool> holds_data{false};
+  // execute/fuse.cpp's scratch while it finds a stage's chains (flush mutex): while fuse_stamp is the
+  // chain's, the chain's node at stage position fuse_pos holds this buffer's value. (Last: the
+  // fields above keep their cache lines.)
+  uint32_t fuse_pos = 0;
+  uint64_t fuse_stamp = 0;
 
   bool has_real() const {
     return static_cast<bool>(real);
