@@ -132,17 +132,6 @@ bool is_one(const c10::IValue& v) {
   return (v.isInt() && v.toInt() == 1) || (v.isDouble() && v.toDouble() == 1.0);
 }
 
-// Dense row-major (strides of size-1 dims do not matter).
-bool row_major(const TensorMeta& m) {
-  int64_t expected = 1;
-  for (size_t d = m.sizes.size(); d-- > 0;) {
-    if (m.sizes[d] == 1) continue;
-    if (m.strides[d] != expected) return false;
-    expected *= m.sizes[d];
-  }
-  return true;
-}
-
 
 
 
@@ -210,7 +199,7 @@ Fusible analyze(const PlannedNode& pn) {
   const TensorMeta& m = result.meta;
   // (A result this chain allocates is the whole of its buffer; self updated in place may be a view.)
   if ((m.dtype != c10::ScalarType::Float && m.dtype != c10::ScalarType::Double) || m.conj || m.neg ||
-      (m.offset != 0 && !f.inplace) || !row_major(m)) {
+      (m.offset != 0 && !f.inplace) || !m.row_major()) {
     return f;
   }
   const int64_t numel = m.numel();
@@ -265,7 +254,7 @@ Fusible analyze(const PlannedNode& pn) {
     // (Of the result's numel, a dense operand is the result's shape up to leading 1s: no broadcast.)
     if ((u.write && !f.inplace) || u.elem != -1 || u.arg < 0 || static_cast<size_t>(u.arg) >= operands ||
         ops[u.arg].kind != Operand::kNone || um.dtype != m.dtype || um.conj || um.neg || um.numel() != numel ||
-        !row_major(um)) {
+        !um.row_major()) {
       return f;
     }
     ops[u.arg].kind = Operand::kTensor;

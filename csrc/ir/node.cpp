@@ -44,6 +44,16 @@ size_t TensorMeta::extent_bytes() const {
   return static_cast<size_t>(last + 1) * c10::elementSize(dtype);
 }
 
+bool TensorMeta::row_major() const {
+  int64_t expect = 1;
+  for (size_t d = sizes.size(); d-- > 0;) {
+    if (sizes[d] == 1) continue;
+    if (strides[d] != expect) return false;
+    expect *= sizes[d];
+  }
+  return true;
+}
+
 bool TensorMeta::covers(size_t nbytes) const {
   if (offset != 0) return false;
   int64_t n = numel();

@@ -38,6 +38,8 @@ struct TensorMeta {
   size_t extent_bytes() const;
   // True if the view is dense, non-overlapping and covers exactly `nbytes` from offset 0.
   bool covers(size_t nbytes) const;
+  // Dense and row-major, whatever the strides of dims of one element (any offset).
+  bool row_major() const;
   // Writes sizes/strides/offset/conj/neg onto `t` (dtype must already match).
   void apply_to(c10::TensorImpl& t) const;
   std::string to_string() const;

@@ -93,17 +93,6 @@ bool copied_ahead(const Stage& st, const PlannedNode& pn, size_t i) {
 
 namespace {
 
-// Whether `v` is dense and row-major (dims of one element aside).
-bool dense(const TensorMeta& v) {
-  int64_t expect = 1;
-  for (size_t d = v.sizes.size(); d-- > 0;) {
-    if (v.sizes[d] == 1) continue;
-    if (v.strides[d] != expect) return false;
-    expect *= v.sizes[d];
-  }
-  return true;
-}
-
 // The offset of the reader's first element past the writer's rows' first, and the reader's last
 // element's distance from its first (-1: none), for rows [first, first + count).
 std::pair<int64_t, int64_t> reach(const TensorMeta& dm, const Bound& db, const TensorMeta& um, const Bound& ub,
@@ -130,11 +119,11 @@ bool within_rows(const TensorMeta& dm, const Bound& db, const TensorMeta& um, co
     if (s < 0) return false;
   }
   const TensorMeta d1 = narrow_rows(dm, db.dim, db.unit, 0, 1);
-  if (!dense(d1)) return false;
+  if (!d1.row_major()) return false;
   const auto [delta, span1] = reach(dm, db, um, ub, 0, 1);
   if (span1 < 0 || delta < 0 || delta + span1 >= d1.numel()) return false;
   if (rows < 2) return true;
-  if (!dense(narrow_rows(dm, db.dim, db.unit, 0, 2))) return false;
+  if (!narrow_rows(dm, db.dim, db.unit, 0, 2).row_major()) return false;
   const auto [delta1, span_at1] = reach(dm, db, um, ub, 1, 1);
   const auto [delta2, span2] = reach(dm, db, um, ub, 0, 2);
   const int64_t per = d1.numel();

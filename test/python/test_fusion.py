@@ -323,3 +323,27 @@ def test_an_out_form_writes_its_fresh_tensor_and_one_given_by_the_caller_runs_pl
     (out2,), s2 = fused_run(given, x, w)
     assert s2["fusion_fallbacks"] >= 1, s2  # (abs.out into y: plainly; x * w and y * 2.0 each fused)
     assert_bitwise(out2, given(x, w))
+
+
+def test_a_split_program_with_chains_is_eagers_in_float64_with_a_ragged_last_chunk():
+    # Chains before the split loop (whole stages: fused), in it (chunk by chunk: not fused) and
+    # after it; 10 rows in 3 chunks (4, 4, 2). Split results: eager's within float64 tolerance.
+    from torch_lazymem.testing import force_chunks
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(10, 6, generator=g, dtype=torch.float64)
+    w = torch.randn(6, 6, generator=g, dtype=torch.float64)
+    b = torch.randn(6, generator=g, dtype=torch.float64)
+
+    def fn(x, w, b):
+        c = (b * 0.5 + 1).clamp_(-2, 2)  # (no batch: a whole stage)
+        h = (x @ w + c).relu() * 2 - 1
+        h.mul_(0.5).add_(0.25)
+        s = (h * h).sum(1)
+        return (s / 3.0 + 1.0).neg()
+
+    expected = fn(x, w, b)
+    with force_chunks(3):
+        (out,), s = fused_run(fn, x, w, b)
+    assert s["splits"] >= 1 and s["fused_nodes"] >= 2, s
+    torch.testing.assert_close(out.cpu(), expected)
