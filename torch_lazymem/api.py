@@ -171,6 +171,9 @@ def memory_budget() -> int:
 def explain(print_it: bool = True) -> str:
     """The last materialization's plan as text: unsplit or split (batch, passes over it, chunks, what
     stays pending, what is assembled in host memory, barriers and why), predicted and measured peak."""
+    if not isinstance(print_it, bool):
+        raise TypeError(f"lazymem: explain(print_it) expects True or False (it explains the last materialization, "
+                        f"not a value), got {type(print_it).__name__}")
     text = str(_C._explain())
     if print_it:
         print(text, end="")

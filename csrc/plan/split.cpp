@@ -300,7 +300,7 @@ void SplitBuilder::decide_storage() {
     for (size_t j = 0; j < n.defs.size(); ++j) {
       if (!ni.discard[j]) writes_[ni.def_buf[j]].emplace_back(ni.stage, n.defs[j].ref.version);
     }
-    if (is_upload(i)) continue;
+    if (is_upload(i) && ni.loop) continue; // (an upload run whole, a barrier, stores its value)
     for (size_t k = 0; k < n.uses.size(); ++k) {
       // Rows of an upload read again in each loop are not a crossing value; written in place they are.
       const int32_t p = n.uses[k].full_overwrite() ? -1 : producer(ni.use_buf[k], n.uses[k].ref.version);

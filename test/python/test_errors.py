@@ -196,3 +196,13 @@ def test_an_environment_flag_spelled_false_turns_it_off_and_a_bad_one_warns():
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert run.stdout.startswith("None False 0"), run.stdout
     assert "lazymem: ignoring LAZYMEM_RECOMPUTE='sometimes'" in run.stdout + run.stderr, run
+
+
+def test_explain_given_a_tensor_says_what_it_takes():
+    """explain() describes the last materialization; handed a value (explain(t)), it says so instead of
+    failing in bool() of the tensor."""
+    t = torch.ones(3, device="lazymem")
+    with pytest.raises(TypeError, match=r"lazymem: explain\(print_it\) expects True or False .* got Tensor"):
+        torch_lazymem.explain(t)  # type: ignore[arg-type]
+    assert t.sum().item() == 3.0
+    assert "measured peak" in torch_lazymem.explain(False)

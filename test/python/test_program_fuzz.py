@@ -154,16 +154,15 @@ def test_sequences_that_found_bugs(recompute, seeds):
     assert results[-1]["status"] == "ok", describe(results[-1])
 
 
-# Found by stop 52's run of --seed 830000: the grammar's arithmetic by hand (`arith`: ops in place on
-# a value a split loop assembles whole) with halves, an eval-mode batch norm and random ops, under a
-# cap of half eager's peak, ends in an internal error: "aten::addmm ... reads rows of b11 that nothing
-# wrote in this chunk" (execute/bind.cpp, a chunk-local upload's rows). It fails with LAZYMEM_FUSION=0
-# too (not the fusion this stop added) and without `arith` it passes. Not fixed yet: that error is
-# an expected failure; any other outcome than it or ok fails the test.
-def test_seed_830539_in_place_arithmetic_on_a_value_a_split_loop_assembles():
+# Found by stop 52's run of --seed 830000: the grammar's arithmetic by hand (`arith`) with halves, an
+# eval-mode batch norm and random ops, under a cap of half eager's peak, ended in an internal error:
+# "aten::addmm ... reads rows of b11 that nothing wrote in this chunk" (execute/bind.cpp). The second
+# step's plan laid x out as [2 halves][192 rows] (outer 2); the upload's host source is narrowed as
+# one block, so the meta probe refused its chunk shapes and the upload became a barrier run whole.
+# decide_storage() still treated it as an upload re-run in each loop (never crossing, never stored),
+# so loops bound x chunk-local with nothing writing it. An upload run whole now stores its value.
+def test_seed_830539_an_upload_that_runs_whole_as_a_barrier_stores_its_value():
     [r] = program_fuzz.run_seeds([830539])
-    if r["status"] == "ERROR" and "that nothing wrote in this chunk" in r.get("detail", ""):
-        pytest.xfail("known, not fixed: a chunk reads rows of an upload it did not copy (execute/bind.cpp)")
     assert r["status"] == "ok", describe(r)
 
 
