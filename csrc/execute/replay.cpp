@@ -7,6 +7,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/core/GradMode.h>
 
+#include "core/boxed.h"
 #include "core/check.h"
 #include "core/config.h"
 #include "core/runtime.h"
@@ -90,10 +91,10 @@ void redispatch_with(const c10::OperatorHandle& op, torch::jit::Stack& stack, c1
   const c10::DispatchKeySet ks(backing_key());
   if (generator_arg >= 0) {
     stack[generator_arg] = c10::IValue(g);
-    op.redispatchBoxed(ks, &stack);
+    redispatch_boxed(op, ks, &stack);
   } else {
     DefaultGeneratorLoan loan(g);
-    op.redispatchBoxed(ks, &stack);
+    redispatch_boxed(op, ks, &stack);
   }
 }
 
@@ -106,16 +107,16 @@ void redispatch_on_backing(const c10::OperatorHandle& op, torch::jit::Stack& sta
   c10::AutoGradMode grad(grad_mode);
   const c10::DispatchKeySet ks(backing_key());
   if (!gen) {
-    op.redispatchBoxed(ks, &stack);
+    redispatch_boxed(op, ks, &stack);
     return;
   }
   at::Generator ours = gen->backing();
   if (generator_arg >= 0) {
     stack[first + generator_arg] = c10::IValue(ours);
-    op.redispatchBoxed(ks, &stack);
+    redispatch_boxed(op, ks, &stack);
   } else {
     DefaultGeneratorLoan loan(ours);
-    op.redispatchBoxed(ks, &stack);
+    redispatch_boxed(op, ks, &stack);
   }
 }
 

@@ -12,6 +12,7 @@
 #include <ATen/OpMathType.h>
 #include <c10/util/hash.h>
 
+#include "core/boxed.h"
 #include "core/runtime.h"
 
 namespace lazymem {
@@ -143,7 +144,7 @@ std::optional<ProbeOutput> run(const c10::OperatorHandle& op, const std::vector<
   }
   try {
     const MetaFirst first = g_meta_first.load(std::memory_order_acquire);
-    if (!first || !first(op, stack)) op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &stack);
+    if (!first || !first(op, stack)) redispatch_boxed(op, c10::DispatchKeySet(c10::DispatchKey::Meta), &stack);
   } catch (const std::exception&) {
     return std::nullopt;
   }

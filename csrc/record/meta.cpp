@@ -9,6 +9,7 @@
 #include <ATen/ops/empty_strided.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include "core/boxed.h"
 #include "core/check.h"
 #include "core/config.h"
 #include "core/runtime.h"
@@ -110,7 +111,7 @@ OutSpec describe(const at::Tensor& r, const Call& call, const std::vector<at::Te
 // What meta inference runs before the Meta key, also for the planner's meta probes (ops/meta_probe.h).
 bool meta_first(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
   if (const c10::KernelFunction* cpp = shadowed_cpp_meta_kernel(op)) {
-    cpp->callBoxed(op, c10::DispatchKeySet(c10::DispatchKey::Meta), &stack);
+    call_boxed(*cpp, op, c10::DispatchKeySet(c10::DispatchKey::Meta), &stack);
     return true;
   }
   return native_meta(op, stack);
@@ -137,7 +138,7 @@ bool dispatch_meta(Call& call, torch::jit::Stack& stack) {
   if (call.rules.structured) {
     torch::jit::Stack copy = stack;
     try {
-      call.op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::PrivateUse2), &copy);
+      redispatch_boxed(call.op, c10::DispatchKeySet(c10::DispatchKey::PrivateUse2), &copy);
       stack = std::move(copy);
       return true;
     } catch (const c10::NotImplementedError&) {
@@ -145,7 +146,7 @@ bool dispatch_meta(Call& call, torch::jit::Stack& stack) {
     }
   }
   try {
-    call.op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &stack);
+    redispatch_boxed(call.op, c10::DispatchKeySet(c10::DispatchKey::Meta), &stack);
   } catch (const c10::NotImplementedError&) {
     return false;
   }

@@ -11,6 +11,7 @@
 #include <ATen/native/cpu/mixed_data_type.h>
 #include <ATen/native/layer_norm.h>
 
+#include "core/boxed.h"
 #include "core/config.h"
 #include "core/runtime.h"
 #include "record/cpp_meta.h"
@@ -160,9 +161,9 @@ void relu(torch::jit::Stack& stack, bool in_place) {
   stack.emplace_back(c10::Scalar(0));
   const c10::DispatchKeySet meta(c10::DispatchKey::Meta);
   if (const c10::KernelFunction* cpp = shadowed_cpp_meta_kernel(target)) {
-    cpp->callBoxed(target, meta, &stack);
+    call_boxed(*cpp, target, meta, &stack);
   } else {
-    target.redispatchBoxed(meta, &stack);
+    redispatch_boxed(target, meta, &stack);
   }
 }
 
