@@ -6,13 +6,17 @@
 # machines, 2.13 in CI).
 #
 #   tools/check_torch.sh VERSION            e.g. tools/check_torch.sh 2.11.0
+#   tools/check_torch.sh VERSION --sanitize the same tests on an ASan + UBSan build against that torch
+#                                           (build/check-torch-VERSION/asan): a memory error that only
+#                                           that torch's kernels or boxing expose (core/boxed.h)
 #
 # Python: 3.12 for torch < 2.13 (PYENV_VERSION=3.12.1 python3.12, as the GPU machines run it), else
 # python3; CHECK_TORCH_PYTHON overrides. The environment and the copy live in build/check-torch-VERSION
 # (CHECK_TORCH_VENV: an existing environment with that torch instead). Prints a summary line per step;
 # exit status 1 if any failed.
 set -uo pipefail
-VERSION=${1:?usage: tools/check_torch.sh VERSION}
+VERSION=${1:?usage: tools/check_torch.sh VERSION [--sanitize]}
+SANITIZE=${2:-}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=$ROOT/build/check-torch-$VERSION
 mkdir -p "$WORK"
@@ -49,6 +53,24 @@ step() {
     status=1
   fi
 }
+if [ "$SANITIZE" = "--sanitize" ]; then
+  # As tools/test.sh --sanitize: the package beside the instrumented libraries, sanitizer runtimes
+  # preloaded, Python's allocator bypassed, freed device memory guarded.
+  ASAN=$WORK/asan
+  mkdir -p "$ASAN/pkg"
+  rm -rf "$ASAN/pkg/torch_lazymem" && cp -r "$SRC/torch_lazymem" "$ASAN/pkg/" && rm -rf "$ASAN/pkg/torch_lazymem/lib"
+  find "$ASAN/pkg/torch_lazymem" -name '*.so' -delete
+  step build-asan env LAZYMEM_SANITIZE=address "$V" setup.py -q build_ext --build-lib "$ASAN/pkg" --build-temp "$ASAN/temp"
+  SAN_RT="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)"
+  step tests-asan env -C "$ASAN/pkg" ASAN_OPTIONS="detect_leaks=0:allocator_may_return_null=1:abort_on_error=1:allow_user_segv_handler=1:detect_odr_violation=0:suppressions=$ROOT/tools/sanitize/asan.supp" \
+    UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$ROOT/tools/sanitize/ubsan.supp" \
+    LAZYMEM_GUARD_FREED=1 PYTHONMALLOC=malloc LD_PRELOAD="$SAN_RT" PYTHONPATH="$ASAN/pkg:$SRC/test/python" \
+    "$V" -m pytest -q -x -p no:cacheprovider --rootdir "$SRC/test/python" -k "not test_rule_fuzzer" \
+    $(ls "$SRC"/test/python/test_split_*.py | grep -v -e test_split_models -e test_split_everywhere) \
+    "$SRC/test/python/test_sync_points.py" "$SRC/test/python/test_fusion.py"
+  [ -f "$WORK/tests-asan.log" ] && grep -E "passed|failed" "$WORK/tests-asan.log" | tail -n 1
+  exit $status
+fi
 step build "$V" setup.py -q build_ext --inplace
 step demo env PYTHONPATH=. "$V" tools/demo.py
 step tests env PYTHONPATH=. "$V" -m pytest -q -p no:cacheprovider test/python/test_split_*.py test/python/test_sync_points.py \
