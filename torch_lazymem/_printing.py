@@ -12,12 +12,23 @@ import torch._tensor_str as _tensor_str
 _original_str = _tensor_str._str
 
 
+def _has_data(t: torch.Tensor) -> bool:
+    """A tensor whose values can be read: not a fake one (a FakeTensor reports the device it stands
+    for; AOT autograd prints its graphs' metadata under FakeTensorMode, where reading values raises)."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter):
+        return True
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not is_fake(t)
+
+
 def _str(self: torch.Tensor, *, tensor_contents: Any = None) -> str:
     if (
         tensor_contents is None
         and self.device.type == "lazymem"
         and self.layout == torch.strided
         and self.numel() > 0
+        and _has_data(self)
     ):
         with torch.no_grad():
             cpu = self.detach().cpu()

@@ -63,3 +63,18 @@ def test_format_of_a_scalar():
     x = torch.tensor(2.5).to("lazymem")
     assert f"{x:.2f}" == "2.50"
     assert f"{x}" == f"{torch.tensor(2.5)}" == "2.5"
+
+
+def test_a_fake_tensor_standing_for_a_lazymem_one_prints_as_torch_prints_fakes():
+    """FakeTensorMode's stand-in reports device lazymem but has no values: printed as PyTorch prints
+    fakes (torch 2.11's AOT autograd prints its graph metadata under the fake mode: reading values
+    there raised DynamicOutputShapeException on masked_select, so torch.compile fell back to eager)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = torch.arange(6.0).reshape(2, 3).to("lazymem")
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = mode.from_tensor(real)
+        text = repr(fake)
+    assert fake.device.type == "lazymem"
+    assert "FakeTensor" in text and "size=(2, 3)" in text
+    assert "tensor([[0., 1., 2.]" in repr(real)
