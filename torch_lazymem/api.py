@@ -13,6 +13,13 @@ from . import _C
 def set_backing_device(device: Union[str, torch.device]) -> None:
     """Chooses the real device lazymem runs on: ``"cpu"`` or ``"cuda[:N]"``. Allowed while no lazymem
     buffer holds data on the current backing device (choose it before creating lazymem tensors)."""
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"lazymem: set_backing_device expects 'cpu', 'cuda' or 'cuda:N' (a str or torch.device), "
+                        f"got {device!r}")
+    try:
+        torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"lazymem: set_backing_device expects 'cpu', 'cuda' or 'cuda:N', got {device!r} ({e})") from None
     _C._set_backing_device(str(device))
 
 
@@ -45,6 +52,10 @@ def reset_stats() -> None:
 def set_debug(level: Union[bool, int] = True) -> None:
     """Debug mode (also ``LAZYMEM_DEBUG=1``): prints each materialization's summary and records where
     each op was called from, for error messages; level 2 (``LAZYMEM_DEBUG=2``) also prints each plan."""
+    if not isinstance(level, int):  # (a bool is an int: True is level 1)
+        raise TypeError(f"lazymem: set_debug expects True, False or a level 0-3, got {level!r}")
+    if not 0 <= level <= 3:
+        raise ValueError(f"lazymem: set_debug expects a level 0-3, got {level}")
     _C._set_debug(int(level))
 
 
@@ -193,10 +204,14 @@ def mark_batch(t: torch.Tensor, dim: Union[int, None]) -> None:
 
 
 def program(max_nodes: int = 200) -> str:
-    """The pending program as text."""
+    """The pending program as text, at most ``max_nodes`` nodes of it."""
+    if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 0:
+        raise TypeError(f"lazymem: program(max_nodes) expects a non-negative int, got {max_nodes!r}")
     return str(_C._program_str(max_nodes))
 
 
 def buffer_info(t: torch.Tensor) -> dict[str, Any]:
     """Internal state of a lazymem tensor's buffer (id, versions, whether it holds real data)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"lazymem: buffer_info expects a lazymem tensor, got {type(t).__name__}")
     return dict(_C._buffer_info(t))

@@ -206,3 +206,33 @@ def test_explain_given_a_tensor_says_what_it_takes():
         torch_lazymem.explain(t)  # type: ignore[arg-type]
     assert t.sum().item() == 3.0
     assert "measured peak" in torch_lazymem.explain(False)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: torch_lazymem.set_debug("yes"), TypeError, r"lazymem: set_debug expects True, False or a level 0-3, got 'yes'"),
+    (lambda: torch_lazymem.set_debug(2.5), TypeError, r"lazymem: set_debug expects .* got 2.5"),
+    (lambda: torch_lazymem.set_debug(7), ValueError, r"lazymem: set_debug expects a level 0-3, got 7"),
+    (lambda: torch_lazymem.set_backing_device(3), TypeError, r"lazymem: set_backing_device expects .* got 3"),
+    (lambda: torch_lazymem.set_backing_device("gpu0"), ValueError, r"lazymem: set_backing_device expects .* got 'gpu0'"),
+    (lambda: torch_lazymem.program("x"), TypeError, r"lazymem: program\(max_nodes\) expects a non-negative int, got 'x'"),
+    (lambda: torch_lazymem.program(-1), TypeError, r"lazymem: program\(max_nodes\) expects .* got -1"),
+    (lambda: torch_lazymem.buffer_info(3), TypeError, r"lazymem: buffer_info expects a lazymem tensor, got int"),
+])
+def test_api_arguments_of_the_wrong_kind_raise_lazymem_errors(call, error, message):
+    before = torch_lazymem.backing_device()
+    with pytest.raises(error, match=message):
+        call()
+    assert torch_lazymem.backing_device() == before
+    x = torch.ones(2, device="lazymem") * 2  # nothing was lost
+    assert x.sum().item() == 4.0
+
+
+def test_api_arguments_that_are_right():
+    torch_lazymem.set_debug(0)
+    torch_lazymem.set_debug(False)
+    y = torch.ones(3, device="lazymem") + 1
+    assert "aten::add" not in torch_lazymem.program(0) and "2 pending nodes" in torch_lazymem.program(0)
+    assert "aten::add" in torch_lazymem.program(10)
+    assert torch_lazymem.buffer_info(y)["id"] >= 0
+    torch_lazymem.set_backing_device(torch.device(str(torch_lazymem.backing_device())))
+    assert y.sum().item() == 6.0
