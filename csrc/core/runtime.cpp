@@ -33,6 +33,7 @@ void choose_default_backing() {
       g_backing_type = static_cast<int>(c10::DeviceType::CUDA);
       g_backing_index = 0;
     }
+    if (flush_hooks().backing_chosen) flush_hooks().backing_chosen(static_cast<c10::DeviceType>(g_backing_type.load()));
     g_backing_chosen.store(true, std::memory_order_release);
   });
 }
@@ -53,6 +54,7 @@ void set_backing_device_unchecked(c10::Device d) {
   choose_default_backing();
   g_backing_type = static_cast<int>(d.type());
   g_backing_index = d.is_cpu() ? -1 : (d.has_index() ? d.index() : 0);
+  if (flush_hooks().backing_chosen) flush_hooks().backing_chosen(d.type());
 }
 
 void init_backing_device() {

@@ -47,6 +47,9 @@ struct FlushHooks {
   // bindings: reads the CUDA allocator's per-process memory fraction, which has no C++ interface
   // outside the CUDA build).
   std::function<void(c10::Device)> backing_initialized;
+  // Called whenever the backing device is chosen or changed, before anything runs on it (installed
+  // by sync/register.cpp: the kernels captured on PrivateUse1 for that device type only).
+  std::function<void(c10::DeviceType)> backing_chosen;
   // Sets the CUDA caching allocator's per-process memory fraction of a device without changing what
   // the user set (installed by the Python bindings, for the same reason; execute/memory.h's
   // ScopedAllocatorCap).

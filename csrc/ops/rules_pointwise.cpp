@@ -97,9 +97,12 @@ const bool registered = [] {
                             "aten::conj_physical_", "aten::log_sigmoid_forward", "aten::log_sigmoid_backward"},
                            &pointwise, /*outer_aware=*/true);
   // Elementwise activations and activation gradients that ATen does not tag pointwise (a leaky-ReLU
-  // GAN's backward ran whole through leaky_relu_backward: issue 31).
+  // GAN's backward ran whole through leaky_relu_backward: issue 31), or did not before torch 2.13
+  // (2.11: leaky_relu and the in-place celu_, elu_, hardsigmoid_, hardtanh_, selu_; the GAN's
+  // forward ran whole there and did not fit).
   register_placement_rules("pointwise",
-                           {"aten::leaky_relu_backward", "aten::hardtanh_backward", "aten::elu_backward",
+                           {"aten::leaky_relu", "aten::leaky_relu_", "aten::celu_", "aten::elu_",
+                            "aten::hardsigmoid_", "aten::hardtanh_", "aten::selu_", "aten::leaky_relu_backward", "aten::hardtanh_backward", "aten::elu_backward",
                             "aten::softplus_backward", "aten::hardswish", "aten::hardswish_",
                             "aten::hardswish_backward", "aten::mish_backward", "aten::hardsigmoid_backward",
                             "aten::softshrink_backward", "aten::hardshrink_backward",

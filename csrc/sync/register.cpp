@@ -6,6 +6,11 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
 #include "core/runtime.h"
 #include "device/phantom.h"
 #include "execute/real.h"
@@ -21,6 +26,36 @@ void record_or_run(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool
 
 void sync_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   record_or_run(op, stack, /*allow_constants=*/false);
+}
+
+namespace {
+
+// The captures that depend on the backing device's type (see g_captured below).
+struct Captures {
+  std::vector<std::string> cpu_only, cuda_only; // qualified names
+  std::unique_ptr<torch::Library> lib;          // those of the current backing device type
+  c10::DeviceType active = c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES;
+  std::mutex mu;
+};
+Captures& captures() {
+  static Captures* c = new Captures();
+  return *c;
+}
+
+} // namespace
+
+void capture_for_backing(c10::DeviceType t) {
+  Captures& c = captures();
+  std::lock_guard<std::mutex> lock(c.mu);
+  if (c.active == t) return;
+  c.lib.reset(); // deregisters the other device type's
+  const auto& names = t == c10::DeviceType::CUDA ? c.cuda_only : c.cpu_only;
+  if (!names.empty()) {
+    c.lib = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__,
+                                             __LINE__);
+    for (const std::string& q : names) c.lib->impl(q.c_str(), torch::CppFunction::makeFromBoxedFunction<&sync_fallback>());
+  }
+  c.active = t;
 }
 
 namespace {
@@ -111,27 +146,41 @@ void foreach_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 //  - CompositeExplicitAutograd kernels of ops that also have CPU/CUDA kernels (see below).
 // Capturing them whole records one node per call with the backing device's own kernel at replay.
 // In-place view ops stay composite (pure metadata), and new_empty_strided stays a factory.
+//
+// A CompositeImplicitAutograd op with an autograd formula and a kernel of one device type only (a
+// CUDA build's _fused_rms_norm: CUDA kernels for it and its backward, a decomposition everywhere
+// else) is captured only while that device backs lazymem: captured on the CPU backing, autograd took
+// its formula and the backward op had no CPU kernel to replay (torch 2.11's CUDA wheel on a machine
+// without a GPU: every RMSNorm training step failed). Uncaptured, it decomposes above autograd, as
+// eager on that device does.
 const bool g_captured = [] {
   static auto* lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
   auto& dispatcher = c10::Dispatcher::singleton();
+  Captures& by_device = captures();
   for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
     if (name.name.rfind("aten::", 0) != 0 || name.name == "aten::new_empty_strided") continue;
     auto op = dispatcher.findOp(name);
-    if (!op || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) continue;
+    if (!op || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) || op->hasTag(at::Tag::inplace_view)) continue;
+    const bool cpu = op->hasKernelForDispatchKey(c10::DispatchKey::CPU);
+    const bool cuda = op->hasKernelForDispatchKey(c10::DispatchKey::CUDA);
     bool ceanf = op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional);
-    bool backend = op->hasKernelForDispatchKey(c10::DispatchKey::CPU) || op->hasKernelForDispatchKey(c10::DispatchKey::CUDA);
+    bool backend = cpu || cuda;
     bool foreach = name.name.rfind("aten::_foreach_", 0) == 0 && backend;
     // CompositeExplicitAutograd kernels beside real CPU/CUDA kernels (native_layer_norm, addr, ...)
     // exist for other backends only: CPU and CUDA never decompose them, so neither does lazymem.
+    // (Replayed on a device without its own kernel, the explicit composite runs below autograd.)
     bool hybrid = backend && op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd);
     // Likewise CompositeImplicitAutograd kernels beside CPU/CUDA kernels and an autograd formula
     // (mish_backward, silu_backward): the formula keeps autograd intact when captured.
-    hybrid = hybrid ||
-        (backend && op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) &&
-         op->hasKernelForDispatchKey(c10::DispatchKey::Autograd));
-    if (!(ceanf || foreach || hybrid) || op->hasTag(at::Tag::inplace_view)) continue;
+    const bool implicit = backend && op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) &&
+        op->hasKernelForDispatchKey(c10::DispatchKey::Autograd);
     std::string qualified = name.name.substr(6);
     if (!name.overload_name.empty()) qualified += "." + name.overload_name;
+    if (implicit && !(ceanf || foreach || hybrid) && cpu != cuda) {
+      (cpu ? by_device.cpu_only : by_device.cuda_only).push_back(qualified);
+      continue;
+    }
+    if (!(ceanf || foreach || hybrid || implicit)) continue;
     if (foreach && !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) &&
         op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd)) {
       lib->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&foreach_fallback>());
@@ -139,6 +188,7 @@ const bool g_captured = [] {
       lib->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&sync_fallback>());
     }
   }
+  flush_hooks().backing_chosen = &capture_for_backing;
   return true;
 }();
 

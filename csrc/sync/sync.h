@@ -63,5 +63,9 @@ void run_eager(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 void record_or_run(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool allow_constants = false);
 // The PrivateUse1 boxed fallback.
 void sync_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+// Registers on PrivateUse1 the captures that hold for backing devices of type `t` only (and removes
+// the other type's): composite-implicit ops with an autograd formula whose own kernel only `t` has
+// (sync/register.cpp). Called whenever the backing device is chosen or changed.
+void capture_for_backing(c10::DeviceType t);
 
 } // namespace lazymem

@@ -90,3 +90,28 @@ def test_registration_is_idempotent():
     _registration.register()
     assert torch.lazymem is not None
     assert torch_lazymem.backing_device() == torch.device("cpu")
+
+
+def test_composites_with_one_device_types_kernel_are_captured_only_while_it_backs_lazymem():
+    """_fused_rms_norm in a CUDA build: CUDA kernels for it and its backward, a decomposition elsewhere.
+    Captured on PrivateUse1 only while CUDA backs lazymem; on the CPU backing it decomposes above
+    autograd as CPU eager does (captured there, its backward had no CPU kernel to replay: torch 2.11's
+    CUDA wheel without a GPU failed every RMSNorm training step). Then RMSNorm trains as eager does."""
+    op = "aten::_fused_rms_norm"
+    if not torch._C._dispatch_has_kernel(op):
+        pytest.skip("this torch has no _fused_rms_norm")
+    cuda_kernel = torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA")
+    captured = torch._C._dispatch_has_kernel_for_dispatch_key(op, "PrivateUse1")
+    assert captured == (cuda_kernel and torch_lazymem.backing_device().type == "cuda")
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    norm = torch.nn.RMSNorm(6, dtype=torch.float64)
+    lazy = torch.nn.RMSNorm(6, dtype=torch.float64).to("lazymem")
+    lx = x.to("lazymem").requires_grad_()
+    xe = x.clone().requires_grad_()
+    (norm(xe) * torch.arange(6.0, dtype=torch.float64)).sum().backward()
+    (lazy(lx) * torch.arange(6.0, dtype=torch.float64).to("lazymem")).sum().backward()
+    if torch_lazymem.backing_device().type == "cpu":
+        assert torch.equal(lx.grad.cpu(), xe.grad) and torch.equal(lazy.weight.grad.cpu(), norm.weight.grad)
+    else:
+        torch.testing.assert_close(lx.grad.cpu(), xe.grad)

@@ -157,6 +157,32 @@ def test_reductions_and_contractions_over_the_batch(fn):
     assert stats["splits"] >= 1 and stats["barriers"] == 0
 
 
+# Elementwise activations, functional and in place: each splits with no barrier, whichever torch
+# (ATen tags leaky_relu and the in-place celu_, elu_, hardsigmoid_, hardtanh_, selu_ pointwise only from
+# 2.13; under 2.11 they ran whole, and a leaky-ReLU GAN's forward did not fit its cap).
+ACTIVATIONS = {
+    "leaky_relu": lambda x: F.leaky_relu(x, 0.2),
+    "leaky_relu_": lambda x: F.leaky_relu(x * 1.0, 0.2, inplace=True),
+    "celu_": lambda x: F.celu(x * 1.0, inplace=True),
+    "elu_": lambda x: F.elu(x * 1.0, inplace=True),
+    "hardsigmoid_": lambda x: F.hardsigmoid(x * 1.0, inplace=True),
+    "hardtanh_": lambda x: F.hardtanh(x * 1.0, inplace=True),
+    "selu_": lambda x: F.selu(x * 1.0, inplace=True),
+    "relu6": lambda x: F.relu6(x),
+    "silu_": lambda x: F.silu(x * 1.0, inplace=True),
+    "mish": lambda x: F.mish(x),
+    "softplus": lambda x: F.softplus(x),
+}
+
+
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_elementwise_activations_split_without_barriers(name):
+    x = torch.randn(B, 6)
+    expected, got, stats = split_and_eager(ACTIVATIONS[name], x)
+    assert_same(expected, got)
+    assert stats["splits"] >= 1 and stats["barriers"] == 0
+
+
 def test_index_ops_with_batched_indices_into_a_replicated_table():
     torch.manual_seed(2)
     table = torch.randn(7, 4, dtype=torch.float64).to("lazymem").requires_grad_()
