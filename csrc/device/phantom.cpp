@@ -6,6 +6,7 @@
 #include <atomic>
 
 #include "core/check.h"
+#include "core/runtime.h"
 
 namespace lazymem {
 namespace {
@@ -58,6 +59,9 @@ AddressSpace& address_space() {
 class PhantomAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
+    // The backing device is chosen before the first lazymem buffer exists (not at import, which must
+    // not query CUDA): its captures are registered by then (core/runtime.h backing_chosen).
+    (void)backing_device();
     LazyBuffer* b = c10::make_intrusive<LazyBuffer>(nbytes).release();
     return {address_space().next(nbytes), b, &delete_handle, c10::Device(c10::DeviceType::PrivateUse1, 0)};
   }

@@ -173,7 +173,6 @@ auto wrap(F&& f) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torch_lazymem native bindings";
   flush_hooks().recording_site = python_site;
-  capture_for_backing(backing_device().type()); // (the default backing device, chosen now)
 
   m.def("_device_count", [] { return 1; });
   m.def("_synchronize", wrap(synchronize));
