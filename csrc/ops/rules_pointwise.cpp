@@ -102,7 +102,8 @@ const bool registered = [] {
   // forward ran whole there and did not fit).
   register_placement_rules("pointwise",
                            {"aten::leaky_relu", "aten::leaky_relu_", "aten::celu_", "aten::elu_",
-                            "aten::hardsigmoid_", "aten::hardtanh_", "aten::selu_", "aten::leaky_relu_backward", "aten::hardtanh_backward", "aten::elu_backward",
+                            "aten::hardsigmoid_", "aten::hardtanh_", "aten::selu_", "aten::leaky_relu_backward",
+                            "aten::hardtanh_backward", "aten::elu_backward",
                             "aten::softplus_backward", "aten::hardswish", "aten::hardswish_",
                             "aten::hardswish_backward", "aten::mish_backward", "aten::hardsigmoid_backward",
                             "aten::softshrink_backward", "aten::hardshrink_backward",
