@@ -363,6 +363,10 @@ at::Tensor Binder::home(const PlannedNode& pn, size_t i) {
 c10::IValue Binder::constant(const PlannedNode& pn, const ConstNarrow& c) const {
   const c10::IValue& v = c.elem < 0 ? pn.node->args[c.arg] : pn.node->args[c.arg].toList().get(c.elem);
   const at::Tensor& t = v.toTensor();
+  if (c.outer > 1) { // the chunk's rows of each block, gathered block-major (plan.h ConstNarrow)
+    const at::Tensor blocks = t.unflatten(c.dim, {c.outer, t.size(c.dim) / c.outer});
+    return c10::IValue(blocks.narrow(c.dim + 1, node_start_ * c.unit, node_rows_ * c.unit).flatten(c.dim, c.dim + 1));
+  }
   return c10::IValue(t.narrow(c.dim, node_start_ * c.unit, node_rows_ * c.unit));
 }
 

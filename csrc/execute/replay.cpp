@@ -153,7 +153,10 @@ const Node::RowKeyed& row_keyed(const PlannedNode& pn, const Binder& binder) {
     };
     for (const Bound& b : pn.uses) rk->uses.push_back(dim_of(b));
     for (const Bound& b : pn.defs) rk->defs.push_back(dim_of(b));
-    for (const ConstNarrow& c : pn.consts) rk->consts.push_back({c.arg, c.elem, c.dim, c.unit});
+    for (const ConstNarrow& c : pn.consts) {
+      LAZYMEM_INTERNAL_ASSERT(c.outer == 1, "a gathered host constant of a random node: ", n.describe());
+      rk->consts.push_back({c.arg, c.elem, c.dim, c.unit});
+    }
     n.row_keyed = rk;
   }
   return *n.row_keyed;

@@ -71,6 +71,10 @@ struct ConstNarrow {
   int32_t elem = -1;
   int8_t dim = -1;
   int64_t unit = 1;
+  // > 1: `dim` flattens `outer` blocks of every batch row, as the chunk-local layout of the upload's
+  // destination holds them (two halves of the batch, a time-major flatten): the chunk's rows of each
+  // block are gathered, block-major, not narrowed as one block.
+  int64_t outer = 1;
 };
 
 struct PlannedNode {

@@ -101,10 +101,23 @@ ChunkCall chunk_call(const Stage& st, const PlannedNode& pn, int64_t c0, int64_t
     auto host = [&](const c10::IValue& v, int32_t elem) {
       if (!v.isTensor() || !v.toTensor().defined() || v.toTensor().device().type() == c10::DeviceType::PrivateUse1) return;
       at::Tensor t = v.toTensor();
+      int64_t outer = 1;
+      int8_t dim = -1;
+      int64_t unit = 1;
       for (const ConstNarrow& c : pn.consts) {
-        if (c.arg == static_cast<int32_t>(i) && c.elem == elem) t = t.narrow(c.dim, node_first * c.unit, rows * c.unit);
+        if (c.arg != static_cast<int32_t>(i) || c.elem != elem) continue;
+        if (c.outer > 1) {
+          outer = c.outer, dim = c.dim, unit = c.unit;
+        } else {
+          t = t.narrow(c.dim, node_first * c.unit, rows * c.unit);
+        }
       }
       TensorMeta m = TensorMeta::of(*t.unsafeGetTensorImpl());
+      if (outer > 1) { // the gathered copy replay makes: its own contiguous storage
+        m = gathered_rows(m, dim, unit, outer, rows);
+        add(static_cast<int32_t>(i), elem, m, next--, static_cast<int64_t>(m.extent_bytes()));
+        return;
+      }
       add(static_cast<int32_t>(i), elem, m, next--, static_cast<int64_t>(t.storage().nbytes()));
     };
     if (args[i].isList()) {

@@ -191,7 +191,21 @@ PlannedNode SplitBuilder::planned_loop_node(Stage& st, LoopState& ls, int32_t i,
   }
   for (size_t k = n.uses.size(); k < ni.ops.size(); ++k) {
     const OperandMode& m = ni.rr.ins[k];
-    if (m.mode == Mode::kRows) pn.consts.push_back(ConstNarrow{ni.ops[k].arg, ni.ops[k].elem, m.dim, m.unit});
+    if (m.mode != Mode::kRows) continue;
+    ConstNarrow c{ni.ops[k].arg, ni.ops[k].elem, m.dim, m.unit};
+    // An upload into chunk-local storage of blocks: its host source, of the destination's shape, is
+    // gathered the way that storage holds the rows (else the chunk's shapes differ and the meta
+    // probe makes the upload a barrier, run and stored whole: seed 830539's halves).
+    if (n.upload && c.elem < 0 && !pn.uses.empty() && pn.uses[0].bind == Bind::kLocal && pn.uses[0].slot >= 0 &&
+        n.args[c.arg].isTensor()) {
+      const RowLayout& l = st.slots[pn.uses[0].slot].layout;
+      const at::Tensor& src = n.args[c.arg].toTensor();
+      if (l.outer > 1 && c.dim >= 0 && c.dim < src.dim() && pn.uses[0].dim == c.dim &&
+          src.size(c.dim) == l.outer * l.rows * c.unit) {
+        c.outer = l.outer;
+      }
+    }
+    pn.consts.push_back(c);
   }
   pn.rows = ni.map;
   pn.row_node = !pn.consts.empty();
