@@ -52,9 +52,9 @@ def reset_stats() -> None:
 def set_debug(level: Union[bool, int] = True) -> None:
     """Debug mode (also ``LAZYMEM_DEBUG=1``): prints each materialization's summary and records where
     each op was called from, for error messages; level 2 (``LAZYMEM_DEBUG=2``) also prints each plan."""
-    if not isinstance(level, int):  # (a bool is an int: True is level 1)
+    if not hasattr(type(level), "__index__"):  # (a bool is an int: True is level 1)
         raise TypeError(f"lazymem: set_debug expects True, False or a level 0-3, got {level!r}")
-    if not 0 <= level <= 3:
+    if not 0 <= int(level) <= 3:
         raise ValueError(f"lazymem: set_debug expects a level 0-3, got {level}")
     _C._set_debug(int(level))
 
@@ -205,9 +205,11 @@ def mark_batch(t: torch.Tensor, dim: Union[int, None]) -> None:
 
 def program(max_nodes: int = 200) -> str:
     """The pending program as text, at most ``max_nodes`` nodes of it."""
-    if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 0:
+    if isinstance(max_nodes, bool) or not hasattr(type(max_nodes), "__index__"):
         raise TypeError(f"lazymem: program(max_nodes) expects a non-negative int, got {max_nodes!r}")
-    return str(_C._program_str(max_nodes))
+    if int(max_nodes) < 0:
+        raise ValueError(f"lazymem: program(max_nodes) expects a non-negative int, got {max_nodes!r}")
+    return str(_C._program_str(int(max_nodes)))
 
 
 def buffer_info(t: torch.Tensor) -> dict[str, Any]:

@@ -60,8 +60,10 @@ class PhantomAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
     // The backing device is chosen before the first lazymem buffer exists (not at import, which must
-    // not query CUDA): its captures are registered by then (core/runtime.h backing_chosen).
-    (void)backing_device();
+    // not query CUDA): its captures are registered by then (core/runtime.h backing_chosen). Once per
+    // process; a later change registers its own through set_backing_device.
+    static const bool chosen = (static_cast<void>(backing_device()), true);
+    static_cast<void>(chosen);
     LazyBuffer* b = c10::make_intrusive<LazyBuffer>(nbytes).release();
     return {address_space().next(nbytes), b, &delete_handle, c10::Device(c10::DeviceType::PrivateUse1, 0)};
   }

@@ -215,7 +215,7 @@ def test_explain_given_a_tensor_says_what_it_takes():
     (lambda: torch_lazymem.set_backing_device(3), TypeError, r"lazymem: set_backing_device expects .* got 3"),
     (lambda: torch_lazymem.set_backing_device("gpu0"), ValueError, r"lazymem: set_backing_device expects .* got 'gpu0'"),
     (lambda: torch_lazymem.program("x"), TypeError, r"lazymem: program\(max_nodes\) expects a non-negative int, got 'x'"),
-    (lambda: torch_lazymem.program(-1), TypeError, r"lazymem: program\(max_nodes\) expects .* got -1"),
+    (lambda: torch_lazymem.program(-1), ValueError, r"lazymem: program\(max_nodes\) expects .* got -1"),
     (lambda: torch_lazymem.buffer_info(3), TypeError, r"lazymem: buffer_info expects a lazymem tensor, got int"),
 ])
 def test_api_arguments_of_the_wrong_kind_raise_lazymem_errors(call, error, message):
