@@ -1,7 +1,11 @@
 // ir: TensorMeta geometry and Node printing.
 #include "ir/node.h"
 
+#include "core/block_pool.h"
+
 #include <algorithm>
+#include <mutex>
+#include <new>
 #include <sstream>
 
 namespace lazymem {
@@ -137,6 +141,78 @@ std::string Node::to_string() const {
   if (random) os << " [random]";
   if (effectful) os << " [effect]";
   return os.str();
+}
+
+namespace {
+
+// At most this many shells are kept (each a few hundred bytes with its vectors' room): a pipelined
+// batch's nodes on the CPU, four of them on an accelerator.
+constexpr size_t kMaxShells = 4096;
+
+std::mutex g_shells_mu;
+std::vector<NodePtr>& shared_shells() {
+  static auto* v = new std::vector<NodePtr>(); // leaked: shells may be recycled during interpreter exit
+  return *v;
+}
+// The recording thread takes shells from its own stash, refilled from the shared one a batch at a time.
+// (Emptied shells only: their destruction at thread exit frees memory and nothing else.)
+thread_local bool t_stash_gone = false;
+struct Stash {
+  std::vector<NodePtr> shells;
+  ~Stash() {
+    t_stash_gone = true; // (a record after this, at thread exit, allocates)
+  }
+};
+thread_local Stash t_stash;
+
+// The node as a fresh one for `op` would be, but keeping the room of its argument, use and def vectors.
+void empty_node(Node& n) {
+  std::vector<c10::IValue> args = std::move(n.args);
+  std::vector<Use> uses = std::move(n.uses);
+  std::vector<Def> defs = std::move(n.defs);
+  args.clear();
+  uses.clear();
+  defs.clear();
+  c10::OperatorHandle op = n.op;
+  n.~Node();
+  new (&n) Node(std::move(op));
+  n.args = std::move(args);
+  n.uses = std::move(uses);
+  n.defs = std::move(defs);
+}
+
+} // namespace
+
+NodePtr new_node(const c10::OperatorHandle& op) {
+  if (t_stash_gone) return std::make_unique<Node>(op);
+  std::vector<NodePtr>& stash = t_stash.shells;
+  if (stash.empty()) {
+    std::lock_guard<std::mutex> lock(g_shells_mu);
+    stash.swap(shared_shells());
+  }
+  if (stash.empty()) return std::make_unique<Node>(op);
+  NodePtr n = std::move(stash.back());
+  stash.pop_back();
+  n->op = op;
+  return n;
+}
+
+void recycle_nodes(std::vector<NodePtr>& nodes) {
+  size_t live = 0;
+  for (NodePtr& n : nodes) {
+    if (!n) continue;
+    empty_node(*n);
+    nodes[live++] = std::move(n);
+  }
+  nodes.resize(live);
+  if (kRecycleBlocks) { // (ASan: a node read after its run is reported, not reused)
+    std::lock_guard<std::mutex> lock(g_shells_mu);
+    std::vector<NodePtr>& shells = shared_shells();
+    const size_t take = std::min(nodes.size(), kMaxShells - std::min(kMaxShells, shells.size()));
+    for (size_t i = 0; i < take; ++i) shells.push_back(std::move(nodes[nodes.size() - 1 - i]));
+    nodes.resize(nodes.size() - take);
+  }
+  nodes.clear(); // (the shells over the bound, outside the lock)
 }
 
 } // namespace lazymem

@@ -145,4 +145,14 @@ struct Node {
 
 using NodePtr = std::unique_ptr<Node>;
 
+// Node shells. A node that ran is emptied (its buffers, arguments and state released then, as its
+// destruction would) and its storage kept, with its vectors' capacity, for the next record: a steady
+// loop records with no allocation for its nodes, and a pipelined worker frees nothing the recording
+// thread allocated (glibc frees a block into the arena of the thread that allocated it, under that
+// arena's lock: the worker's frees stalled the recording thread's allocations on that lock, and its
+// futex wake-ups were an eighth of the recording thread's time; ir/node.cpp).
+NodePtr new_node(const c10::OperatorHandle& op);
+// Empties the nodes and keeps their shells (up to a bound; the rest are freed). Null entries are skipped.
+void recycle_nodes(std::vector<NodePtr>& nodes);
+
 } // namespace lazymem

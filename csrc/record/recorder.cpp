@@ -93,7 +93,7 @@ at::Tensor view_of(const at::Tensor& base, const TensorMeta& meta) {
 
 class Emitter {
  public:
-  Emitter(Call& call, const MetaResult& meta) : call_(call), meta_(meta), node_(std::make_unique<Node>(call.op)) {}
+  Emitter(Call& call, const MetaResult& meta) : call_(call), meta_(meta), node_(new_node(call.op)) {}
 
   void run() {
     apply_mutations();

@@ -469,6 +469,7 @@ void sync(const SyncRequest& req) {
     }
     const bool again = run_segment(seg, req, attempt, first_why);
     Program::get().recycle_tape(std::move(seg.tape));
+    recycle_nodes(seg.nodes);
     if (!again) return;
     stats().oom_retries.fetch_add(1, std::memory_order_relaxed);
   }
