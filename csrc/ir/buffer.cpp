@@ -1,8 +1,6 @@
 // ir: LazyBuffer bookkeeping.
 #include "ir/buffer.h"
 
-#include "core/block_pool.h"
-
 namespace lazymem {
 namespace {
 std::atomic<uint64_t> g_next_id{1};
@@ -11,20 +9,6 @@ std::atomic<int64_t> g_alive{0};
 std::atomic<int64_t> g_resident{0};
 std::atomic<uint64_t> g_dead_pinned{0};
 } // namespace
-
-using BufferBlocks = BlockPool<sizeof(LazyBuffer)>;
-
-void* LazyBuffer::operator new(size_t n) {
-  return n == sizeof(LazyBuffer) ? BufferBlocks::allocate() : ::operator new(n);
-}
-
-void LazyBuffer::operator delete(void* p, size_t n) noexcept {
-  if (n == sizeof(LazyBuffer)) {
-    BufferBlocks::release(p);
-  } else {
-    ::operator delete(p);
-  }
-}
 
 LazyBuffer::LazyBuffer(size_t n) : nbytes(n), id(g_next_id.fetch_add(1, std::memory_order_relaxed)) {
   g_alive.fetch_add(1, std::memory_order_relaxed);

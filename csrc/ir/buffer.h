@@ -18,10 +18,6 @@ struct LazyBuffer : c10::intrusive_ptr_target {
   ~LazyBuffer() override;
   LazyBuffer(const LazyBuffer&) = delete;
   LazyBuffer& operator=(const LazyBuffer&) = delete;
-  // Recycled blocks (core/block_pool.h): a pipelined worker destroys the buffers the recording
-  // thread made.
-  static void* operator new(size_t n);
-  static void operator delete(void* p, size_t n) noexcept;
 
   // The fields the planner reads for every buffer of a program (plan/fingerprint.cpp), cold after
   // the step's kernels ran, come first: they fill the object's first two cache lines.

@@ -1,9 +1,8 @@
 // ir: TensorMeta geometry and Node printing.
 #include "ir/node.h"
 
-#include "core/block_pool.h"
-
 #include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <new>
 #include <sstream>
@@ -150,6 +149,7 @@ namespace {
 constexpr size_t kMaxShells = 4096;
 
 std::mutex g_shells_mu;
+std::atomic<size_t> g_shell_count{0}; // shared_shells().size(), read without the lock
 std::vector<NodePtr>& shared_shells() {
   static auto* v = new std::vector<NodePtr>(); // leaked: shells may be recycled during interpreter exit
   return *v;
@@ -165,11 +165,30 @@ struct Stash {
 };
 thread_local Stash t_stash;
 
-// The node as a fresh one for `op` would be, but keeping the room of its argument, use and def vectors.
-void empty_node(Node& n) {
+// Off under AddressSanitizer: a node read after its run is reported, not reused.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kKeepShells = false;
+#else
+constexpr bool kKeepShells = true;
+#endif
+
+// The node as a fresh one for `op` would be, but keeping the room of its argument, use and def
+// vectors; its buffer references moved to `released`.
+void empty_node(Node& n, std::vector<BufferPtr>& released) {
   std::vector<c10::IValue> args = std::move(n.args);
   std::vector<Use> uses = std::move(n.uses);
   std::vector<Def> defs = std::move(n.defs);
+  // (A reference that is not the last is dropped here: that frees nothing. Racy but harmless: one
+  // that became the last meanwhile frees its buffer here, as before.)
+  auto release = [&](BufferPtr& b) {
+    if (b && b.use_count() == 1) {
+      released.push_back(std::move(b));
+    } else {
+      b.reset();
+    }
+  };
+  for (Use& u : uses) release(u.ref.buf);
+  for (Def& d : defs) release(d.ref.buf);
   args.clear();
   uses.clear();
   defs.clear();
@@ -186,9 +205,10 @@ void empty_node(Node& n) {
 NodePtr new_node(const c10::OperatorHandle& op) {
   if (t_stash_gone) return std::make_unique<Node>(op);
   std::vector<NodePtr>& stash = t_stash.shells;
-  if (stash.empty()) {
+  if (stash.empty() && g_shell_count.load(std::memory_order_relaxed) > 0) {
     std::lock_guard<std::mutex> lock(g_shells_mu);
     stash.swap(shared_shells());
+    g_shell_count.store(0, std::memory_order_relaxed);
   }
   if (stash.empty()) return std::make_unique<Node>(op);
   NodePtr n = std::move(stash.back());
@@ -197,19 +217,21 @@ NodePtr new_node(const c10::OperatorHandle& op) {
   return n;
 }
 
-void recycle_nodes(std::vector<NodePtr>& nodes) {
+void recycle_nodes(std::vector<NodePtr>& nodes, std::vector<BufferPtr>& released) {
   size_t live = 0;
   for (NodePtr& n : nodes) {
     if (!n) continue;
-    empty_node(*n);
+    empty_node(*n, released);
     nodes[live++] = std::move(n);
   }
   nodes.resize(live);
-  if (kRecycleBlocks) { // (ASan: a node read after its run is reported, not reused)
+  if (kKeepShells) {
     std::lock_guard<std::mutex> lock(g_shells_mu);
     std::vector<NodePtr>& shells = shared_shells();
     const size_t take = std::min(nodes.size(), kMaxShells - std::min(kMaxShells, shells.size()));
+    // (Last in, first out: pushed from the back, so that the next records take them in program order.)
     for (size_t i = 0; i < take; ++i) shells.push_back(std::move(nodes[nodes.size() - 1 - i]));
+    g_shell_count.store(shells.size(), std::memory_order_relaxed);
     nodes.resize(nodes.size() - take);
   }
   nodes.clear(); // (the shells over the bound, outside the lock)

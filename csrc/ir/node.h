@@ -145,14 +145,17 @@ struct Node {
 
 using NodePtr = std::unique_ptr<Node>;
 
-// Node shells. A node that ran is emptied (its buffers, arguments and state released then, as its
-// destruction would) and its storage kept, with its vectors' capacity, for the next record: a steady
-// loop records with no allocation for its nodes, and a pipelined worker frees nothing the recording
-// thread allocated (glibc frees a block into the arena of the thread that allocated it, under that
-// arena's lock: the worker's frees stalled the recording thread's allocations on that lock, and its
-// futex wake-ups were an eighth of the recording thread's time; ir/node.cpp).
+// Node shells. A node the pipeline's worker ran is emptied and its storage kept, with its vectors'
+// capacity, for the recording thread's next record, and the buffers it named go back to the recording
+// thread to be dropped there. glibc frees a block into the arena of the thread that allocated it,
+// under that arena's lock: the worker freeing what the recording thread made (nodes, buffers) held
+// that lock against every allocation of the recording thread, whose futex wake-ups were then an
+// eighth of its time. (A thread's own nodes are freed as usual: fresh allocations lie in program order,
+// which later walks over a segment read faster than shells scattered in memory.)
 NodePtr new_node(const c10::OperatorHandle& op);
-// Empties the nodes and keeps their shells (up to a bound; the rest are freed). Null entries are skipped.
-void recycle_nodes(std::vector<NodePtr>& nodes);
+// Empties the nodes and keeps their shells (up to a bound; the rest are freed). Null entries are
+// skipped. The nodes' buffer references are moved to `released`: everything else they held is
+// released now, as their destruction would.
+void recycle_nodes(std::vector<NodePtr>& nodes, std::vector<BufferPtr>& released);
 
 } // namespace lazymem

@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <iterator>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -83,8 +84,31 @@ class Pipeline {
     armed_.store(false, std::memory_order_relaxed);
   }
 
+  // The worker's nodes' buffers whose last reference was theirs (ir/node.h recycle_nodes): the
+  // recording thread made them and drops them, at its next record or materialization.
+  void hand_back(std::vector<BufferPtr>&& bufs) {
+    if (bufs.empty()) return;
+    std::lock_guard<std::mutex> lk(released_mu_);
+    if (released_.empty()) {
+      released_.swap(bufs);
+    } else {
+      released_.insert(released_.end(), std::make_move_iterator(bufs.begin()), std::make_move_iterator(bufs.end()));
+    }
+    has_released_.store(true, std::memory_order_release);
+  }
+  void drop_released() {
+    if (!has_released_.load(std::memory_order_acquire)) return;
+    std::vector<BufferPtr> gone;
+    {
+      std::lock_guard<std::mutex> lk(released_mu_);
+      gone.swap(released_);
+      has_released_.store(false, std::memory_order_relaxed);
+    }
+  }
+
   // After each record: hands what is pending to the worker once a batch has accumulated.
   void maybe_hand_off() {
+    if (has_released_.load(std::memory_order_relaxed) && !in_flush_on_this_thread()) drop_released();
     if (!armed_.load(std::memory_order_relaxed) || in_flush_on_this_thread()) return;
     const c10::Device dev = backing_device();
     if (!enabled(dev)) return;
@@ -170,8 +194,11 @@ class Pipeline {
 
   // Waits until the worker is idle (the process exits; tests).
   void drain() {
-    std::unique_lock<std::mutex> lk(mu_);
-    idle_.wait(lk, [&] { return !busy_ && !upto_; });
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      idle_.wait(lk, [&] { return !busy_ && !upto_; });
+    }
+    drop_released();
   }
 
   // An error a background flush met (a kernel's, or a lazymem error), raised by the next flush that
@@ -336,6 +363,9 @@ class Pipeline {
   bool held_ = false; // (tests) hold: busy until let go
   std::exception_ptr error_;
   std::thread worker_;
+  std::mutex released_mu_;
+  std::vector<BufferPtr> released_; // (released_mu_) see hand_back
+  std::atomic<bool> has_released_{false};
 };
 
 } // namespace lazymem

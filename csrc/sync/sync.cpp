@@ -454,7 +454,10 @@ void sync(const SyncRequest& req) {
       if (on) pipeline_trace(PipeEvent::kSyncEnd);
     }
   } traced{!req.background};
-  if (!req.background) pipeline_trace(PipeEvent::kSyncStart);
+  if (!req.background) {
+    pipeline_trace(PipeEvent::kSyncStart);
+    Pipeline::get().drop_released(); // (what the worker ran before: dropped before this run's plan)
+  }
   std::unique_lock<std::mutex> lock = acquire_flush();
   InFlush guard;
   if (!req.background && !req.read && req.needed.empty()) {
@@ -469,7 +472,13 @@ void sync(const SyncRequest& req) {
     }
     const bool again = run_segment(seg, req, attempt, first_why);
     Program::get().recycle_tape(std::move(seg.tape));
-    recycle_nodes(seg.nodes);
+    // (The worker's nodes and their buffers were made by the recording thread: they go back to it,
+    // see ir/node.h recycle_nodes.)
+    if (req.background) {
+      std::vector<BufferPtr> released;
+      recycle_nodes(seg.nodes, released);
+      Pipeline::get().hand_back(std::move(released));
+    }
     if (!again) return;
     stats().oom_retries.fetch_add(1, std::memory_order_relaxed);
   }
