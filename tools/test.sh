@@ -5,7 +5,7 @@
 #   tools/test.sh [pytest args]   the normal build (the README's test command)
 #   tools/test.sh --sanitize      ASan + UBSan: builds the extension and the C++ tests instrumented
 #                                 into build/asan, then runs the C++ suite and the split, sync, memory,
-#                                 two-memory and fusion pytest modules with the sanitizer runtimes preloaded
+#                                 two-memory, fusion, pipeline and thread pytest modules with the sanitizer runtimes preloaded
 #                                 and freed device memory guarded (LAZYMEM_GUARD_FREED=1: a read of it
 #                                 faults). The per-op rule tables, the model zoo and the everywhere
 #                                 matrix (test_split_{rules,models,everywhere}: half the split time,
@@ -42,7 +42,8 @@ PY
   PYTHONMALLOC=malloc LD_PRELOAD="$SAN_RT" PYTHONPATH="$ASAN_DIR/pkg:$ROOT/test/python" \
     python -m pytest -q -n 2 --dist loadgroup -p no:cacheprovider --rootdir "$ROOT/test/python" -x \
     $(ls "$ROOT"/test/python/test_split_*.py "$ROOT"/test/python/test_sync_points.py "$ROOT"/test/python/test_two_memories.py \
-      "$ROOT"/test/python/test_memory.py "$ROOT"/test/python/test_fusion.py | grep -v -e test_split_rules -e test_split_models -e test_split_everywhere) "$@"
+      "$ROOT"/test/python/test_memory.py "$ROOT"/test/python/test_fusion.py "$ROOT"/test/python/test_pipeline.py \
+      "$ROOT"/test/python/test_threads.py | grep -v -e test_split_rules -e test_split_models -e test_split_everywhere) "$@"
   exit 0
 fi
 

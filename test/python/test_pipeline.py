@@ -48,6 +48,26 @@ def test_a_long_chain_runs_on_the_worker_and_equals_eager():
     assert torch_lazymem.stats()["pipelined_flushes"] > 0
 
 
+def test_the_workers_nodes_and_buffers_go_back_to_the_recording_thread():
+    # The worker empties the nodes it ran and hands their shells and the buffers only they still
+    # named back to the recording thread (ir/node.h recycle_nodes), which drops those buffers at its
+    # next record or materialization: none outlives a synchronize, and recycled shells record correctly.
+    torch_lazymem._C._set_pipeline_batch(64)
+    a = torch.randn(64)
+    chain(a.to(LAZY), 10).cpu()  # arms the pipeline
+    torch.lazymem.synchronize()
+    before = torch_lazymem._C._buffers_alive()
+    flushes = torch_lazymem.stats()["pipelined_flushes"]
+    for _ in range(3):
+        got = chain(a.to(LAZY), 1000)
+        assert torch.equal(got.cpu(), chain(a, 1000))
+        del got
+    assert torch_lazymem.stats()["pipelined_flushes"] > flushes
+    torch_lazymem._C._pipeline_drain()
+    torch.lazymem.synchronize()
+    assert torch_lazymem._C._buffers_alive() == before
+
+
 def mlp_steps(device: str, steps: int, dropout: float = 0.0) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Dropout(dropout), torch.nn.Linear(64, 5))
