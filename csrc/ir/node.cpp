@@ -147,6 +147,7 @@ namespace {
 // At most this many shells are kept (each a few hundred bytes with its vectors' room): a pipelined
 // batch's nodes on the CPU, four of them on an accelerator.
 constexpr size_t kMaxShells = 4096;
+constexpr size_t kShellRoom = 8; // arguments, uses or defs whose room a shell keeps
 
 std::mutex g_shells_mu;
 std::atomic<size_t> g_shell_count{0}; // shared_shells().size(), read without the lock
@@ -189,9 +190,14 @@ void empty_node(Node& n, std::vector<BufferPtr>& released) {
   };
   for (Use& u : uses) release(u.ref.buf);
   for (Def& d : defs) release(d.ref.buf);
+  // (Room for a few entries only: a shell of a _foreach op over every parameter would keep its
+  // thousands of uses' room for as long as the shell is kept.)
   args.clear();
   uses.clear();
   defs.clear();
+  if (args.capacity() > kShellRoom) std::vector<c10::IValue>().swap(args);
+  if (uses.capacity() > kShellRoom) std::vector<Use>().swap(uses);
+  if (defs.capacity() > kShellRoom) std::vector<Def>().swap(defs);
   c10::OperatorHandle op = n.op;
   n.~Node();
   new (&n) Node(std::move(op));

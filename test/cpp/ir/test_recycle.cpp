@@ -47,5 +47,28 @@ TEST(NodeShells, RecyclingEmptiesNodesAndHandsOverTheirLastBufferReferences) {
   EXPECT_EQ(n->seq, 0u);
 }
 
+TEST(NodeShells, AShellKeepsRoomForAFewEntriesOnly) {
+  auto b = buffer();
+  NodeBuilder many;
+  for (int i = 0; i < 100; ++i) many.read(b);
+  std::vector<NodePtr> nodes;
+  nodes.push_back(many.build());
+  nodes.push_back(NodeBuilder().read(b).read(b).build());
+  std::vector<BufferPtr> released;
+  recycle_nodes(nodes, released);
+  EXPECT_TRUE(released.empty()); // `b` is still held here
+  NodePtr first, second;
+  std::thread([&] {
+    first = new_node(any_op());
+    second = new_node(any_op());
+  }).join();
+  EXPECT_TRUE(first->uses.empty());
+  EXPECT_TRUE(second->uses.empty());
+#if !defined(__SANITIZE_ADDRESS__)
+  EXPECT_EQ(first->uses.capacity(), 0u);  // a hundred uses' room was given back
+  EXPECT_GE(second->uses.capacity(), 2u); // two were kept
+#endif
+}
+
 } // namespace
 } // namespace lazymem::testing
