@@ -92,10 +92,10 @@ def set_pipeline(enabled: bool | None = True) -> None:
     its own plan), so results are unchanged. A materialization that splits, runs out of memory or
     comes close to the budget turns it off until one fits with room again. ``None`` (the default):
     on where the backing device is a GPU, whose kernels run asynchronously, so that the GPU works
-    while the step is still being recorded, as in eager; off on the CPU backing, where the worker's
-    multi-threaded kernels get an OpenMP team of their own, whose threads spin beside the recording
-    thread and the process's other work (a chain of tiny ops, whose kernels are single-threaded, runs
-    faster pipelined; a training step with large kernels slower). Also
+    while the step is still being recorded, as in eager; off on the CPU backing, where a chain of tiny ops, whose kernels are
+    single-threaded, runs faster pipelined, but a training step with multi-threaded kernels runs
+    slower, and so does the rest of the process (most likely the worker's own OpenMP team, spinning
+    beside the recording thread's). Also
     ``LAZYMEM_PIPELINE=0/1`` (``LAZYMEM_PIPELINE_BATCH``: ops per batch, 64 on a GPU and 1,024 on the
     CPU by default). An error a kernel raises on the worker surfaces at the next read of what it
     computed, or at the next ``synchronize()``."""
