@@ -94,8 +94,9 @@ def set_pipeline(enabled: bool | None = True) -> None:
     on where the backing device is a GPU, whose kernels run asynchronously, so that the GPU works
     while the step is still being recorded, as in eager; off on the CPU backing, where a chain of tiny ops, whose kernels are
     single-threaded, runs faster pipelined, but a training step with multi-threaded kernels runs
-    slower, and so does the rest of the process (most likely the worker's own OpenMP team, spinning
-    beside the recording thread's). Also
+    slower, and so does the rest of the process: a live thread that has run parallel kernels (the
+    worker) keeps an OpenMP team of its own, and every other thread's parallel kernels slow while it
+    lives (plain PyTorch too). Also
     ``LAZYMEM_PIPELINE=0/1`` (``LAZYMEM_PIPELINE_BATCH``: ops per batch, 64 on a GPU and 1,024 on the
     CPU by default). An error a kernel raises on the worker surfaces at the next read of what it
     computed, or at the next ``synchronize()``."""
