@@ -4,9 +4,10 @@ budget. A random op whose values a chunk cannot draw by itself has its draw (eag
 whole geometry eager gives it) generated once, in program order, in host memory; each chunk,
 recomputation and retry reads its rows. Ops whose draws depend on their inputs' values (rejection
 samplers, rrelu in training, multinomial with replacement) run whole. Every case is float64, checked
-unsplit and under force_chunks 2/3/8 over 37 rows (ragged last chunks) bitwise against eager CPU —
-the values a program computes from its draws and the generator's state after the program (the next
-draw) — and under a simulated device where eager runs out of memory."""
+unsplit and under force_chunks 2/3/8 over 37 rows (ragged last chunks) against eager CPU — the values
+a program computes from its draws (bitwise unsplit; split, at float64's assert_close tolerance, as a
+chunk's matmul may take another BLAS path) and the generator's state after the program (the next
+draw, bitwise) — and under a simulated device where eager runs out of memory."""
 
 from __future__ import annotations
 
@@ -144,7 +145,15 @@ def check_eager(op_name, layout_name, chunks=CHUNKS, grad=True):
             assert stats["splits"] >= 1, text
         for g, e, what in zip(got, expected, ("values", "next draw")):
             assert g.dtype == e.dtype and g.shape == e.shape, (what, n, g.shape, e.shape)
-            assert torch.equal(g, e), f"{op_name} over {layout_name}, {n} chunks: {what} differ\n{text}"
+            msg = f"{op_name} over {layout_name}, {n} chunks: {what} differ\n{text}"
+            if n == 1 or what == "next draw":
+                assert torch.equal(g, e), msg
+            else:
+                # The stem's matmul over a chunk's rows may take another BLAS path than over all 37
+                # (MKL's float64 kernels for a 2-row ragged chunk differ from eager's in the last bit on
+                # some machines): split values are eager's at assert_close's float64 tolerance, which a
+                # single draw that differed would break by orders of magnitude.
+                torch.testing.assert_close(g, e, msg=msg)
     return stats
 
 
@@ -328,8 +337,9 @@ def test_random_ops_run_whole_between_split_ones_keep_program_order():
     for n in (2, 3, 8):
         with force_chunks(n):
             got = run("lazymem")
-        for g, e in zip(got, expected):
-            assert torch.equal(g, e), n
+        for g, e in zip(got[:3], expected[:3]):  # (a chunk's matmul: another BLAS path, see check_eager)
+            torch.testing.assert_close(g, e, msg=f"{n} chunks")
+        assert torch.equal(got[3], expected[3]), n  # the next draw
 
 
 def test_an_out_of_memory_retry_reads_the_same_draws():
