@@ -184,11 +184,14 @@ def reset_max_memory_allocated(device: Any = None) -> None:
 
 
 def memory_reserved(device: Any = None) -> int:
-    return memory_allocated(device)
+    """Bytes allocated plus, on the CPU backing device, the freed blocks its pool keeps for reuse."""
+    _check_index(device)
+    return memory_allocated(device) + int(_C._device_pool_bytes())
 
 
 def empty_cache() -> None:
-    """Nothing is cached beyond live values: freed buffers return to the backing allocator at once."""
+    """Gives the CPU backing device's pooled free blocks back to the host (as torch.cuda.empty_cache)."""
+    _C._empty_device_pool()
 
 
 def mem_get_info(device: Any = None) -> tuple[int, int]:

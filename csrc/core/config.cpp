@@ -65,6 +65,7 @@ std::map<std::string, int64_t> Stats::snapshot() const {
       {"d2h_bytes", ld(d2h_bytes)},
       {"d2h_copies", ld(d2h_copies)},
       {"d2h_ns", ld(d2h_ns)},
+      {"device_pool_misses", ld(device_pool_misses)},
       {"h2d_ahead", ld(h2d_ahead)},
       {"copy_wait_ns", ld(copy_wait_ns)},
       {"d2h_behind", ld(d2h_behind)},
@@ -127,6 +128,7 @@ void Stats::reset() {
   d2h_bytes = 0;
   d2h_copies = 0;
   d2h_ns = 0;
+  device_pool_misses = 0;
   h2d_ahead = 0;
   copy_wait_ns = 0;
   d2h_behind = 0;

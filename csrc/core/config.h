@@ -58,6 +58,7 @@ struct Stats {
   std::atomic<uint64_t> d2h_bytes{0};
   std::atomic<uint64_t> d2h_copies{0};
   std::atomic<uint64_t> d2h_ns{0};
+  std::atomic<uint64_t> device_pool_misses{0}; // simulated device blocks of 64 KiB or more its pool did not have
   std::atomic<uint64_t> h2d_ahead{0};     // copies started ahead of their reader (the next chunk's rows)
   std::atomic<uint64_t> copy_wait_ns{0};  // time the executor waited for such copies to end
   std::atomic<uint64_t> d2h_behind{0};    // copies out the executor did not wait for (execute/transfer.h copy_out)

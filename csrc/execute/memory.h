@@ -148,6 +148,11 @@ int64_t whole_plan_target(int64_t budget);
 // what the process reserves while the plan allocates anew. Reused plans find their own blocks cached
 // and skip this. Returns the bytes released.
 int64_t release_cached_blocks(int64_t headroom);
+// The simulated device's pool of freed blocks (memory.cpp, DevicePool): the bytes it holds, reserved
+// but not allocated, and giving them all back to the host's malloc (returns the bytes given back).
+int64_t device_pool_bytes();
+int64_t empty_device_pool();
+void trim_device_pool(); // to the device's capacity, after it changed
 // The CUDA caching allocator's per-process memory fraction of a device (1.0 = no limit), as the
 // Python bindings read it at first use and whenever torch.cuda.set_per_process_memory_fraction
 // changes it (the CUDA allocator's own interface is outside the CPU build).

@@ -125,6 +125,44 @@ def test_simulated_capacity_bounds_what_lazymem_holds():
         assert torch.lazymem.max_memory_allocated() <= MiB + 512
 
 
+def test_the_simulated_device_keeps_freed_blocks_for_its_next_allocations():
+    # The simulated device's memory is a pool of its own, as a GPU's: a step that repeats takes every
+    # block of 64 KiB or more from what the last one freed, and none from the host's malloc, whose free
+    # lists lazymem's own small allocations would otherwise split (an MLP step then ran its kernels
+    # on memory nothing had touched lately). What the pool holds is reserved, not allocated.
+    gc.collect()
+    xh, wh = torch.randn(256, 1024), torch.randn(1024, 1024)
+    expected = (xh @ wh).relu() @ wh
+
+    def step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return ((x @ w).relu() @ w).cpu()
+
+    with simulated_device("64MiB"):
+        torch.lazymem.empty_cache()
+        assert torch.lazymem.memory_reserved() == torch.lazymem.memory_allocated()
+        x, w = xh.to("lazymem"), wh.to("lazymem")
+        assert torch.equal(step(x, w), expected)
+        held = torch.lazymem.memory_allocated()
+        assert torch.lazymem.memory_reserved() >= held + 2 * MiB  # the two freed 1 MiB intermediates
+        torch_lazymem.reset_stats()
+        torch.lazymem.reset_peak_memory_stats()
+        assert torch.equal(step(x, w), expected)
+        st = torch_lazymem.stats()
+        assert st["device_pool_misses"] == 0, st
+        assert torch.lazymem.max_memory_allocated() == st["peak_bytes"] == st["predicted_peak_bytes"], st
+        assert torch.lazymem.memory_reserved() - torch.lazymem.memory_allocated() <= 64 * MiB
+        torch.lazymem.empty_cache()
+        assert torch.lazymem.memory_reserved() == torch.lazymem.memory_allocated() == held
+        torch_lazymem.reset_stats()
+        assert torch.equal(step(x, w), expected)
+        assert torch_lazymem.stats()["device_pool_misses"] >= 2  # (the pool was empty)
+        del x, w
+        gc.collect()
+    with simulated_device("3MiB"):  # at most the capacity is kept (the oldest blocks go first)
+        assert torch.lazymem.memory_reserved() - torch.lazymem.memory_allocated() <= 3 * MiB
+    torch.lazymem.empty_cache()
+
+
 def test_a_plan_over_a_budget_nothing_enforces_is_refused_and_nothing_is_lost():
     # No simulated device: nothing would stop the plan from holding more than the budget promises.
     a = torch.randn(512, 512)
