@@ -7,7 +7,8 @@
 #                                 into build/asan, then runs the C++ suite and the split, sync, memory,
 #                                 two-memory, fusion, pipeline and thread pytest modules with the sanitizer runtimes preloaded
 #                                 and freed device memory guarded (LAZYMEM_GUARD_FREED=1: a read of it
-#                                 faults). The per-op rule tables, the model zoo and the everywhere
+#                                 faults), then the memory modules again unguarded, with the device's
+#                                 block pool on. The per-op rule tables, the model zoo and the everywhere
 #                                 matrix (test_split_{rules,models,everywhere}: half the split time,
 #                                 four times that under ASan) run in the normal suite only, to keep
 #                                 CI under 30 minutes.
@@ -44,6 +45,11 @@ PY
     $(ls "$ROOT"/test/python/test_split_*.py "$ROOT"/test/python/test_sync_points.py "$ROOT"/test/python/test_two_memories.py \
       "$ROOT"/test/python/test_memory.py "$ROOT"/test/python/test_fusion.py "$ROOT"/test/python/test_pipeline.py \
       "$ROOT"/test/python/test_threads.py | grep -v -e test_split_rules -e test_split_models -e test_split_everywhere) "$@"
+  # The guard keeps freed device blocks out of reuse, so the simulated device's block pool (which
+  # reuses them, as CUDA's caching allocator does) is off above: the memory modules again with it on.
+  LAZYMEM_GUARD_FREED=0 PYTHONMALLOC=malloc LD_PRELOAD="$SAN_RT" PYTHONPATH="$ASAN_DIR/pkg:$ROOT/test/python" \
+    python -m pytest -q -n 2 --dist loadgroup -p no:cacheprovider --rootdir "$ROOT/test/python" -x \
+    "$ROOT"/test/python/test_memory.py "$ROOT"/test/python/test_two_memories.py "$@"
   exit 0
 fi
 

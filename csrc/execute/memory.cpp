@@ -522,6 +522,10 @@ int64_t empty_device_pool() {
   return device_pool().empty();
 }
 
+bool device_pool_enabled() {
+  return DevicePool::on() && !guard_freed();
+}
+
 void trim_device_pool() {
   device_pool().trim();
 }

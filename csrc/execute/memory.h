@@ -153,6 +153,7 @@ int64_t release_cached_blocks(int64_t headroom);
 int64_t device_pool_bytes();
 int64_t empty_device_pool();
 void trim_device_pool(); // to the device's capacity, after it changed
+bool device_pool_enabled(); // off with LAZYMEM_DEVICE_POOL=0 and under LAZYMEM_GUARD_FREED
 // The CUDA caching allocator's per-process memory fraction of a device (1.0 = no limit), as the
 // Python bindings read it at first use and whenever torch.cuda.set_per_process_memory_fraction
 // changes it (the CUDA allocator's own interface is outside the CPU build).

@@ -201,6 +201,7 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_device_pool_bytes", [] { return backing_is_cpu() ? device_pool_bytes() : int64_t{0}; });
   m.def("_empty_device_pool", [] { return empty_device_pool(); });
+  m.def("_device_pool_enabled", [] { return backing_is_cpu() && device_pool_enabled(); });
   m.def("_counting_active", counting_cpu_allocator_active);
   m.def("_link_bandwidth", link_bandwidth);
   m.def("_clear_node_times", clear_node_times);
