@@ -15,8 +15,6 @@
 #include <cstring>
 #include <string>
 #include <deque>
-#include <list>
-#include <unordered_map>
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -29,6 +27,7 @@
 #include "core/cuda_backend.h"
 #include "core/runtime.h"
 #include "core/version.h"
+#include "execute/device_pool.h"
 #include "execute/graphs.h"
 #include "ir/buffer.h"
 #if LAZYMEM_TORCH_AT_LEAST(2, 9)
@@ -119,114 +118,6 @@ struct alignas(c10::gAlignment) Header {
 };
 constexpr size_t kHeader = sizeof(Header);
 
-// The simulated device's memory is a pool of its own, as a GPU's is. Its blocks come from the host's
-// malloc, and without a pool a freed block went back to malloc's free lists, where lazymem's own
-// small allocations (nodes, tensors' metadata) split it: the next block of the same size came from
-// elsewhere, memory no kernel had touched lately. An MLP inference step (three 4.75 MiB activations)
-// walked through four to six different blocks a step and spent twice eager's time in its copy and
-// clamp kernels (the same instructions: callgrind), 0.93x eager's step. Eager's own blocks, freed
-// and allocated again in the same order, come back from malloc at the same addresses. The pool keeps
-// freed device blocks of 64 KiB or more by size (rounded to 512 bytes, as CUDA's caching allocator
-// rounds) and hands out the most recently freed first; what it holds is not allocated (the counter is
-// charged and released as before) but reserved (torch.lazymem.memory_reserved()), at most the
-// device's capacity (1 GiB when it has none), the oldest blocks going back to malloc first, and all
-// of it on torch.lazymem.empty_cache() or when the host cannot give a block.
-class DevicePool {
- public:
-  static constexpr size_t kMin = size_t{64} << 10;
-  static bool on() { // LAZYMEM_DEVICE_POOL=0: every block from malloc and back (to measure the pool)
-    static const bool v = env_flag("LAZYMEM_DEVICE_POOL").value_or(true);
-    return v;
-  }
-  static size_t block_bytes(size_t n) { return (n + 511) / 512 * 512 + kHeader; }
-
-  void* take(size_t bytes) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = by_size_.find(bytes);
-    if (it == by_size_.end() || it->second.empty()) return nullptr;
-    auto entry = it->second.back();
-    it->second.pop_back();
-    void* h = entry->block;
-    lru_.erase(entry);
-    held_ -= static_cast<int64_t>(bytes);
-    return h;
-  }
-
-  // Keeps a freed block (false: the pool is off or full even after giving back older blocks).
-  bool put(void* h, size_t bytes) {
-    const int64_t bound = limit();
-    if (static_cast<int64_t>(bytes) > bound) return false;
-    std::vector<void*> evicted;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      lru_.push_front({h, bytes});
-      by_size_[bytes].push_back(lru_.begin());
-      held_ += static_cast<int64_t>(bytes);
-      evict_locked(bound, &evicted);
-    }
-    for (void* v : evicted) c10::free_cpu(v);
-    return true;
-  }
-
-  // Gives back the oldest blocks past the bound (the device's capacity changed).
-  void trim() {
-    std::vector<void*> evicted;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      evict_locked(limit(), &evicted);
-    }
-    for (void* v : evicted) c10::free_cpu(v);
-  }
-
-  int64_t empty() {
-    std::vector<void*> blocks;
-    int64_t freed = 0;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (const Entry& e : lru_) blocks.push_back(e.block);
-      freed = held_;
-      lru_.clear();
-      by_size_.clear();
-      held_ = 0;
-    }
-    for (void* v : blocks) c10::free_cpu(v);
-    return freed;
-  }
-
-  int64_t held() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return held_;
-  }
-
- private:
-  struct Entry {
-    void* block;
-    size_t bytes;
-  };
-  void evict_locked(int64_t bound, std::vector<void*>* evicted) {
-    while (held_ > bound) {
-      const Entry& oldest = lru_.back(); // also the oldest of its size: the front of its bucket
-      auto& bucket = by_size_[oldest.bytes];
-      bucket.erase(bucket.begin());
-      held_ -= static_cast<int64_t>(oldest.bytes);
-      evicted->push_back(oldest.block);
-      lru_.pop_back();
-    }
-  }
-  static int64_t limit() {
-    const int64_t cap = device_counter().capacity();
-    return cap >= 0 ? cap : int64_t{1} << 30;
-  }
-  std::mutex mu_;
-  std::list<Entry> lru_; // most recently freed first
-  std::unordered_map<size_t, std::vector<std::list<Entry>::iterator>> by_size_; // oldest first
-  int64_t held_ = 0;
-};
-
-DevicePool& device_pool() {
-  static DevicePool* p = new DevicePool(); // (never destroyed: blocks are freed at exit too)
-  return *p;
-}
 
 // LAZYMEM_GUARD_FREED=1 (the sanitizer job sets it): every block of the lazymem device is mapped on
 // its own pages, filled with 0xFA bytes, and, when freed, made inaccessible and kept out of reuse for
@@ -312,7 +203,7 @@ class CountingCPUAllocator final : public c10::Allocator {
       if (device && guard_freed()) {
         raw = guarded_alloc(n, &mapped);
       } else if (device && n >= DevicePool::kMin && DevicePool::on()) {
-        pooled = DevicePool::block_bytes(n);
+        pooled = (n + 511) / 512 * 512 + kHeader; // sizes rounded as CUDA's caching allocator rounds
         raw = device_block(pooled);
       } else {
         raw = c10::alloc_cpu(n + kHeader);
