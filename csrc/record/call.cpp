@@ -47,7 +47,7 @@ struct Analyzer {
     TensorArg ta;
     ta.arg = arg;
     ta.elem = elem;
-    ta.t = t;
+    ta.tensor = &t;
     ta.write = call.rules.writes[arg];
     if (is_lazy(t)) {
       LAZYMEM_CHECK(t.layout() == c10::kStrided, call.op.schema().name(), ": only strided lazymem tensors are ",
@@ -168,12 +168,13 @@ struct Analyzer {
       w(static_cast<int64_t>(l.size()));
       for (bool x : l) w(x);
     } else if (v.isList()) {
-      auto l = v.toList();
-      bool optional_tensors = l.elementType()->kind() == c10::TypeKind::OptionalType;
+      bool optional_tensors = v.toList().elementType()->kind() == c10::TypeKind::OptionalType;
+      // The elements themselves, not copies: TensorArg borrows them from the call's stack.
+      c10::ArrayRef<c10::IValue> l = v.toListRef();
       w(kList);
       w(static_cast<int64_t>(l.size()));
       for (size_t i = 0; i < l.size(); ++i) {
-        c10::IValue e = l.get(i);
+        const c10::IValue& e = l[i];
         if (optional_tensors && e.isTensor()) {
           auto st = e.toTensor().scalar_type();
           if (st == c10::kBool || st == c10::kByte) call.has_mask_index = true;

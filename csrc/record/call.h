@@ -20,7 +20,8 @@ struct TensorArg {
   enum Kind : uint8_t { kLazy, kCpuScalar, kConstant };
   int32_t arg = -1;
   int32_t elem = -1;
-  at::Tensor t;
+  const at::Tensor* tensor = nullptr; // borrowed from the call's stack, alive for the whole record_call
+  const at::Tensor& t() const { return *tensor; }
   Kind kind = kLazy;
   uint8_t write = 0;  // OpRules::writes of its argument
   int32_t alias = -1; // kLazy: index of the first lazy tensor argument on the same storage

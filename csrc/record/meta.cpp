@@ -160,9 +160,9 @@ bool dispatch_meta(Call& call, torch::jit::Stack& stack) {
 void check_overlaps(const Call& call) {
   for (const TensorArg& out : call.tensors) {
     if (out.kind != TensorArg::kLazy || !out.write) continue;
-    at::assert_no_internal_overlap(out.t);
+    at::assert_no_internal_overlap(out.t());
     for (const TensorArg& in : call.tensors) {
-      if (in.kind == TensorArg::kLazy && !in.write && in.alias == out.alias) at::assert_no_partial_overlap(out.t, in.t);
+      if (in.kind == TensorArg::kLazy && !in.write && in.alias == out.alias) at::assert_no_partial_overlap(out.t(), in.t());
     }
   }
 }
@@ -184,11 +184,11 @@ std::shared_ptr<const MetaResult> run_meta(Call& call) {
     if (ta.kind == TensorArg::kLazy) {
       int32_t ordinal = static_cast<int32_t>(storages.size());
       storages.emplace_back();
-      if (ta.alias == ordinal) storages[ordinal] = meta_storage(ta.t.storage().nbytes());
-      mirrors[i] = mirror(ta.t, storages[ta.alias]);
+      if (ta.alias == ordinal) storages[ordinal] = meta_storage(ta.t().storage().nbytes());
+      mirrors[i] = mirror(ta.t(), storages[ta.alias]);
       set_arg(stack, ta, mirrors[i]);
     } else if (ta.kind == TensorArg::kConstant) {
-      set_arg(stack, ta, constant_mirror(ta.t));
+      set_arg(stack, ta, constant_mirror(ta.t()));
     }
   }
   if (call.rules.generator_arg >= 0) stack[call.rules.generator_arg] = c10::IValue();

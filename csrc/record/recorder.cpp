@@ -129,7 +129,7 @@ class Emitter {
  private:
   void apply_mutations() {
     for (const Mutation& m : meta_.mutations) {
-      at::Tensor& t = call_.tensors[m.tensor].t;
+      const at::Tensor& t = call_.tensors[m.tensor].t();
       c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
       if (m.storage_nbytes > s->nbytes()) grow_phantom(*s, m.storage_nbytes);
       t.unsafeGetTensorImpl()->set_sizes_and_strides(m.meta.sizes, m.meta.strides, m.meta.offset);
@@ -150,9 +150,9 @@ class Emitter {
         return t;
       }
       case OutSpec::kView:
-        return view_of(call_.tensors[o.src].t, o.meta);
+        return view_of(call_.tensors[o.src].t(), o.meta);
       case OutSpec::kSelf:
-        return call_.tensors[o.src].t;
+        return call_.tensors[o.src].t();
       case OutSpec::kValue:
         return o.value;
     }
@@ -178,25 +178,25 @@ class Emitter {
           Use& u = n.uses.emplace_back();
           u.arg = ta.arg;
           u.elem = ta.elem;
-          u.ref.buf = buffer_ptr(buffer_of(ta.t));
-          u.ref.meta = TensorMeta::of(*ta.t.unsafeGetTensorImpl());
+          u.ref.buf = buffer_ptr(buffer_of(ta.t()));
+          u.ref.meta = TensorMeta::of(*ta.t().unsafeGetTensorImpl());
           u.write = ta.write != 0;
           u.write_only = ta.write == 2 || (ta.write && rules.overwrites_self && ta.arg == 0);
           break;
         }
         case TensorArg::kCpuScalar:
-          if (!ta.t.unsafeGetTensorImpl()->is_wrapped_number()) {
-            set_slot(n.args, ta, snapshot(ta.t));
+          if (!ta.t().unsafeGetTensorImpl()->is_wrapped_number()) {
+            set_slot(n.args, ta, snapshot(ta.t()));
           } else if (rules.casts_wrapped_number && ta.elem < 0 && ta.arg < 2) {
             for (const TensorArg& o : call_.tensors) {
               if (o.kind == TensorArg::kLazy && o.arg == 1 - ta.arg && o.elem < 0) {
-                set_slot(n.args, ta, converted_number(ta.t, o.t.scalar_type()));
+                set_slot(n.args, ta, converted_number(ta.t(), o.t().scalar_type()));
               }
             }
           }
           break;
         case TensorArg::kConstant:
-          set_slot(n.args, ta, snapshot(ta.t));
+          set_slot(n.args, ta, snapshot(ta.t()));
           break;
       }
     }
@@ -205,8 +205,8 @@ class Emitter {
     if (call_.op.schema().name() == "aten::copy_" && call_.tensors.size() == 2 &&
         call_.tensors[0].kind == TensorArg::kLazy && call_.tensors[1].kind == TensorArg::kConstant) {
       n.upload = true;
-      if (t_module_state > 0 || call_.tensors[1].t.requires_grad()) {
-        Program::get().set_batch_hint(*buffer_of(call_.tensors[0].t), LazyBuffer::BatchHint::kNever, 0, 0,
+      if (t_module_state > 0 || call_.tensors[1].t().requires_grad()) {
+        Program::get().set_batch_hint(*buffer_of(call_.tensors[0].t()), LazyBuffer::BatchHint::kNever, 0, 0,
                                       /*only_if_auto=*/true);
       }
     }
