@@ -472,13 +472,12 @@ void sync(const SyncRequest& req) {
     }
     const bool again = run_segment(seg, req, attempt, first_why);
     Program::get().recycle_tape(std::move(seg.tape));
-    // (The worker's nodes and their buffers were made by the recording thread: they go back to it,
-    // see ir/node.h recycle_nodes.)
-    if (req.background) {
-      std::vector<BufferPtr> released;
-      recycle_nodes(seg.nodes, released);
-      Pipeline::get().hand_back(std::move(released));
-    }
+    // What ran is emptied and its shells kept for the next records (ir/node.h recycle_nodes): no
+    // allocation for a node, its arguments, uses or defs while a step like the last is recorded.
+    // The worker's nodes and buffers were made by the recording thread: they go back to it.
+    std::vector<BufferPtr> released;
+    recycle_nodes(seg.nodes, released);
+    if (req.background) Pipeline::get().hand_back(std::move(released));
     if (!again) return;
     stats().oom_retries.fetch_add(1, std::memory_order_relaxed);
   }
