@@ -42,12 +42,13 @@ struct CallKeyHash {
 };
 
 struct Call {
-  Call(const c10::OperatorHandle& o, const OpRules& r, torch::jit::Stack* s)
-      : op(o), rules(r), stack(s), num_args(o.schema().arguments().size()) {}
+  Call(const c10::OperatorHandle& o, const OpRules& r, torch::jit::Stack* s, bool b = false)
+      : op(o), rules(r), stack(s), num_args(o.schema().arguments().size()), borrowed(b) {}
   const c10::OperatorHandle& op;
   const OpRules& rules;
   torch::jit::Stack* stack;
   size_t num_args;
+  bool borrowed; // the stack's tensors are borrowed (record_call): never dropped, never copied for nothing
   c10::SmallVector<TensorArg, 6> tensors;
   CallKey key;
   bool cacheable = true;

@@ -122,7 +122,7 @@ class Emitter {
     } else {
       stats().views.fetch_add(1, std::memory_order_relaxed);
     }
-    torch::jit::drop(*call_.stack, call_.num_args);
+    if (!call_.borrowed) torch::jit::drop(*call_.stack, call_.num_args);
     for (auto& o : outs) call_.stack->push_back(std::move(o));
   }
 
@@ -152,6 +152,9 @@ class Emitter {
       case OutSpec::kView:
         return view_of(call_.tensors[o.src].t(), o.meta);
       case OutSpec::kSelf:
+        // Borrowed: the caller returns its own `self` (a copy here would count a reference, for a
+        // tensor Python holds a GIL round trip each way).
+        if (call_.borrowed) return c10::IValue();
         return call_.tensors[o.src].t();
       case OutSpec::kValue:
         return o.value;
@@ -162,10 +165,20 @@ class Emitter {
   void build_node() {
     Node& n = *node_;
     const OpRules& rules = call_.rules;
+    // A lazymem tensor argument is replaced by an undefined tensor below: not copied first (a
+    // counted reference taken and dropped; for a tensor Python alone holds, GIL round trips).
+    uint64_t lazy_args = 0;
+    for (const TensorArg& ta : call_.tensors) {
+      if (ta.kind == TensorArg::kLazy && ta.elem < 0 && ta.arg < 64) lazy_args |= uint64_t{1} << ta.arg;
+    }
     n.args.reserve(call_.num_args);
     for (size_t i = 0; i < call_.num_args; ++i) {
       const c10::IValue& v = call_.arg(i);
-      n.args.push_back(v.isList() ? c10::IValue(v.toList().copy()) : v);
+      if (i < 64 && (lazy_args >> i & 1)) {
+        n.args.emplace_back(at::Tensor());
+      } else {
+        n.args.push_back(v.isList() ? c10::IValue(v.toList().copy()) : v);
+      }
     }
     size_t lazy = 0;
     for (const TensorArg& ta : call_.tensors) lazy += ta.kind == TensorArg::kLazy;
@@ -243,14 +256,15 @@ class Emitter {
 
 } // namespace
 
-Recorded record_call(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool allow_constants) {
+Recorded record_call(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool allow_constants, bool borrowed) {
   const OpRules& rules = op_rules(op);
   if (rules.noop) {
+    if (borrowed) return Recorded::kNeedsEager; // no unboxed kernel is a no-op; never guessed at
     torch::jit::drop(*stack, op.schema().arguments().size());
     return Recorded::kDone;
   }
   if (rules.eager) return Recorded::kNeedsEager;
-  Call call(op, rules, stack);
+  Call call(op, rules, stack, borrowed);
   analyze_call(call, allow_constants);
   if (rules.eager_if_mask_index && call.has_mask_index) return Recorded::kNeedsEager;
   std::shared_ptr<const MetaResult> meta = infer_meta(call);

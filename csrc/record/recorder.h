@@ -17,7 +17,11 @@ enum class Recorded : uint8_t {
 
 // Records `op` with the arguments on `stack` and replaces them with its returns. With
 // allow_constants, non-lazymem tensor arguments are snapshotted into the node (host-to-lazymem copy).
-Recorded record_call(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool allow_constants = false);
+// With `borrowed` (the unboxed kernels of sync/unboxed.cpp), the stack's tensors borrow the caller's
+// (no reference counted): they are left on the stack, the returns pushed after them, and the caller
+// releases them; an in-place op's return (its `self`) is pushed as None, the caller returning `self`.
+Recorded record_call(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool allow_constants = false,
+                     bool borrowed = false);
 
 // While alive on a thread, host uploads recorded there hold module state (parameters, buffers), not
 // data: their buffers are never batch seeds. torch_lazymem wraps nn.Module._apply in one.

@@ -155,6 +155,7 @@ void foreach_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 // eager on that device does.
 const bool g_captured = [] {
   static auto* lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  register_unboxed_kernels(*lib); // first: the loop below skips ops with a PrivateUse1 kernel
   auto& dispatcher = c10::Dispatcher::singleton();
   Captures& by_device = captures();
   for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {

@@ -16,6 +16,10 @@
 #include "ir/buffer.h"
 #include "ir/program.h"
 
+namespace torch {
+class Library;
+} // namespace torch
+
 namespace lazymem {
 
 // What a sync point asks for: the values it reads (needed), how much of the pending program it
@@ -67,5 +71,10 @@ void sync_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 // the other type's): composite-implicit ops with an autograd formula whose own kernel only `t` has
 // (sync/register.cpp). Called whenever the backing device is chosen or changed.
 void capture_for_backing(c10::DeviceType t);
+// Registers on `lib` (aten, PrivateUse1) the unboxed kernels of the most recorded ops (sync/unboxed.cpp):
+// they record as the boxed fallback does, without copying their tensor arguments.
+void register_unboxed_kernels(torch::Library& lib);
+// How many it registered (tests: each listed op has one, or its registration was refused).
+int unboxed_kernels_registered();
 
 } // namespace lazymem

@@ -442,3 +442,121 @@ def test_python_numbers_in_a_split_program_equal_eager():
         got = prog(x.to("lazymem"), w.to("lazymem")).cpu()
     assert torch_lazymem.stats()["splits"] > before
     torch.testing.assert_close(got, expected)
+
+
+# The ops with unboxed kernels (sync/unboxed.cpp): their tensor arguments are borrowed, not copied.
+_UNBOXED_UNARY = [torch.neg, torch.exp, torch.log, torch.sqrt, torch.rsqrt, torch.tanh, torch.sigmoid, torch.relu,
+                  torch.abs]
+
+
+def test_unboxed_kernels_record_as_the_fallback_does_and_equal_eager():
+    a = torch.rand(4, 6) + 0.5
+    b = torch.rand(4, 6) + 0.5
+    x, y = a.to("lazymem"), b.to("lazymem")
+    torch_lazymem.reset_stats()
+    out_lazy = [x * y, x / y, x + y, x - y, torch.add(x, y, alpha=3), torch.sub(x, y, alpha=0.5), x * 1.5, 2.0 / x]
+    out_lazy += [f(x) for f in _UNBOXED_UNARY]
+    assert torch_lazymem.stats()["ops_recorded"] == len(out_lazy) + 1  # 2.0 / x: reciprocal, then mul
+    assert torch_lazymem.stats()["ops_eager"] == 0
+    out_eager = [a * b, a / b, a + b, a - b, torch.add(a, b, alpha=3), torch.sub(a, b, alpha=0.5), a * 1.5, 2.0 / a]
+    out_eager += [f(a) for f in _UNBOXED_UNARY]
+    for lz, eg in zip(out_lazy, out_eager):
+        assert lz.device.type == "lazymem"
+        assert_bitwise(lz, eg)
+
+
+def test_the_other_unboxed_kernels_equal_eager():
+    g = torch.Generator().manual_seed(3)
+    a, b, c = (torch.rand(4, 4, generator=g) + 0.5 for _ in range(3))
+    m = torch.rand(2, 4, 4, generator=g)
+    cond = torch.rand(4, 4, generator=g) > 0.5
+
+    def run(a, b, c, m, cond):
+        return [a @ b, torch.mm(a, b), torch.bmm(m, m), torch.addmm(c, a, b, beta=0.5, alpha=2.0),
+                torch.where(cond, a, b), torch.addcmul(c, a, b, value=0.3), torch.addcdiv(c, a, b, value=0.7),
+                a ** 2.5, torch.pow(a, 3), torch.mul(a, 3), torch.div(a, 4), torch.add(a, 2, alpha=3),
+                torch.reciprocal(a), a.clone().lerp_(b, 0.25), a.clone().addcmul_(b, c, value=2),
+                a.clone().addcdiv_(b, c, value=0.5), (a - 1).relu_(), a.clone().sqrt_(), a.clone().neg_(),
+                a.clone().mul_(0.5), a.clone().div_(3), a.clone().add_(1.5, alpha=2)]
+
+    lazy = [t.to("lazymem") for t in (a, b, c, m, cond)]
+    torch_lazymem.reset_stats()
+    out = run(*lazy)
+    assert torch_lazymem.stats()["ops_eager"] == 0
+    for lz, eg in zip(out, run(a, b, c, m, cond)):
+        assert_bitwise(lz, eg)
+
+
+def test_unboxed_kernels_of_backward_formulas_equal_eager():
+    g = torch.Generator().manual_seed(4)
+    x0 = torch.randn(6, 5, generator=g)
+    grads = []
+    for dev in ("cpu", "lazymem"):
+        x = x0.to(dev).detach().requires_grad_()
+        (torch.sigmoid(x) * torch.tanh(x) + torch.relu(x)).sum().backward()  # sigmoid/tanh/threshold_backward
+        grads.append(x.grad)
+    assert_bitwise(grads[1], grads[0])
+
+
+def test_unboxed_in_place_kernels_return_self_and_write_it():
+    a = torch.rand(3, 5) + 0.5
+    x = a.to("lazymem")
+    other = torch.rand(3, 5).to("lazymem")
+    before = sys.getrefcount(x)
+    assert x.mul_(other) is x
+    assert x.add_(other, alpha=2) is x
+    assert x.sub_(0.25) is x
+    assert x.div_(other) is x
+    assert sys.getrefcount(x) == before
+    expected = a.mul(other.cpu()).add_(other.cpu(), alpha=2).sub_(0.25).div_(other.cpu())
+    assert_bitwise(x, expected)
+    v = x[1]  # an in-place op on a view writes its base
+    v.mul_(2.0)
+    expected[1].mul_(2.0)
+    assert_bitwise(x, expected)
+
+
+def test_unboxed_kernels_hold_no_reference_to_their_arguments():
+    import weakref
+
+    x = torch.rand(8, device="lazymem")
+    y = torch.rand(8, device="lazymem")
+    rx, ry = sys.getrefcount(x), sys.getrefcount(y)
+    z = x * y + x
+    z = torch.relu(z) - y
+    assert (sys.getrefcount(x), sys.getrefcount(y)) == (rx, ry)
+    wx = weakref.ref(x)
+    del x
+    assert wx() is None  # the recorded node holds the buffer, not the tensor
+    assert z.cpu().shape == (8,)
+    assert y.cpu().shape == (8,)  # still alive and readable after being borrowed many times
+
+
+def test_unboxed_kernels_raise_eagers_errors_and_lose_nothing():
+    x = torch.rand(4, device="lazymem")
+    r = sys.getrefcount(x)
+    with pytest.raises(RuntimeError, match="same device"):
+        _ = x + torch.rand(4)
+    with pytest.raises(RuntimeError, match="same device"):
+        x.mul_(torch.rand(4))
+    with pytest.raises(RuntimeError):
+        _ = x * torch.rand(3, device="lazymem")  # shapes that do not broadcast
+    assert sys.getrefcount(x) == r
+    xr = x.cpu()
+    assert_bitwise(x * 2, xr * 2)
+
+
+def test_unboxed_kernels_under_autograd_equal_eager():
+    torch.manual_seed(0)
+    a = torch.randn(5, 3)
+    w = torch.randn(3, 3)
+    xs = [a.clone().requires_grad_(), a.to("lazymem").requires_grad_()]
+    ws = [w.clone().requires_grad_(), w.to("lazymem").requires_grad_()]
+    grads = []
+    for x, w_ in zip(xs, ws):
+        h = torch.sigmoid(x @ w_) * torch.tanh(x) + torch.exp(-x.abs()) / (1 + torch.relu(x))
+        loss = (h * h).sum()
+        loss.backward()
+        grads.append((x.grad, w_.grad))
+    assert_bitwise(grads[1][0], grads[0][0])
+    assert_bitwise(grads[1][1], grads[0][1])
