@@ -6,7 +6,8 @@ Rows of the printed table:
    (``y = y * 1.0001; y = y + 0.5`` on a 16-element tensor), timing only the Python loop that
    records them (the pending program is synchronized afterwards, untimed). The same loop on an
    eager CPU tensor is shown beside it: the Python + dispatcher cost both paths pay. Nothing is
-   subtracted. Goal: <= 2 us/op.
+   subtracted. Goal: <= 1 us/op (issue 30; an absolute time, so read it beside eager's op on the
+   same machine: a loaded machine inflates both).
 2. Recording cost per op when every op misses the meta cache (a never-seen shape each op), so
    the meta kernel really runs for each op.
 3i. Issue 30's own loop: ``a = a * 1.0001 + 0.001`` 2,000 times on 1,024 floats, read once; with
@@ -224,7 +225,7 @@ def main() -> None:
     ms = 1e3
     rows = [
         ("1. record, cached meta (us/op)", f"{us_cached:.2f}", f"{us_eager:.2f}",
-         f"{us_cached / us_eager:.2f}x", "<= 2 us/op", verdict(us_cached, 2.0),
+         f"{us_cached / us_eager:.2f}x", "<= 1 us/op", verdict(us_cached, 1.0),
          f"{n_cached} ops; {meta(st1)}"),
         ("2. record, uncached meta (us/op)", f"{us_uncached:.2f}", "-", "-", "-", "",
          f"{n_uncached} ops; {meta(st2)}"),
