@@ -1,11 +1,12 @@
 // sync: unboxed PrivateUse1 kernels for the ops a training step records most (pointwise arithmetic,
-// common unary ops, matrix products, their backward formulas' ops and the optimizers' in-place updates). They record exactly what the boxed fallback records, through the same
-// record_call, but the call's tensors are borrowed onto the stack instead of copied there. The boxed
-// fallback's wrapper copies every tensor argument into a std::vector of IValues; for a tensor held
-// only by Python that copy is the 1 -> 2 reference transition, which increfs its PyObject under the
-// GIL (c10/util/intrusive_ptr.h, PyObject preservation), and dropping it decrefs it under the GIL again:
-// about 1,100 instructions per such argument, a vector allocation and the wrapper's own boxing on
-// top. Every other behaviour (errors, the eager path, auto-flush) is the fallback's.
+// common unary ops, matrix products, their backward formulas' ops and the optimizers' in-place
+// updates). They record exactly what the boxed fallback records, through the same record_call, but
+// the call's tensors are borrowed onto the stack instead of copied there. The boxed fallback's
+// wrapper copies every tensor argument into a std::vector of IValues; for a tensor held only by
+// Python that copy is the 1 -> 2 reference transition, which increfs its PyObject under the GIL
+// (c10/util/intrusive_ptr.h, PyObject preservation), and dropping it decrefs it under the GIL
+// again: about 1,100 instructions per such argument, a vector allocation and the wrapper's own
+// boxing on top. Every other behaviour (errors, the eager path, auto-flush) is the fallback's.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/MaybeOwned.h>
@@ -106,8 +107,8 @@ c10::IValue record_borrowed(const c10::OperatorHandle& op, BorrowedArgs& args) {
 // An in-place op returns its `self`: recorded, record_call pushed None for it (borrowed); run
 // eagerly, `self` itself.
 void check_in_place(const c10::OperatorHandle& op, const at::Tensor& self, const c10::IValue& r) {
-  LAZYMEM_INTERNAL_ASSERT(r.isNone() || (r.isTensor() && r.toTensor().unsafeGetTensorImpl() == self.unsafeGetTensorImpl()),
-                          op.schema().name(), " did not return its self");
+  const bool self_returned = r.isTensor() && r.toTensor().unsafeGetTensorImpl() == self.unsafeGetTensorImpl();
+  LAZYMEM_INTERNAL_ASSERT(r.isNone() || self_returned, op.schema().name(), " did not return its self");
 }
 
 struct OpName {
