@@ -206,3 +206,38 @@ def test_a_reused_plan_shifted_by_kept_results_still_keeps_the_budget_and_splits
     assert all(1 < c < 37 for c in split[first_split:]), split  # several chunks of a prime batch: ragged
     for x, y in zip(xs, kept):
         torch.testing.assert_close(y.cpu(), model(x))
+
+
+def test_a_step_size_that_changes_every_step_does_not_stop_reuse():
+    # AdamW's bias corrections give its div_.Scalar a new float scalar every step (a scheduler's
+    # learning rate does the same). The workspace model keyed its observations on that value, so each
+    # step learned a "new" key, moved the workspace generation (part of the plan's fingerprint) and
+    # planned anew: this loop reused no plan in ten steps, the bench_split MLP never did either.
+    def run(reuse):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+        losses, reused = [], []
+        with (contextlib.nullcontext() if reuse else no_plan_reuse()), simulated_device(2_000_000):
+            lazy = copy.deepcopy(model).to("lazymem")
+            opt = torch.optim.AdamW(lazy.parameters(), lr=1e-2)
+            sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+            torch.lazymem.synchronize()
+            for step in range(10):
+                g = torch.Generator().manual_seed(step)
+                x, y = torch.randn(1024, 64, generator=g), torch.randint(0, 10, (1024,), generator=g)
+                torch_lazymem.reset_stats()
+                loss = F.cross_entropy(lazy(x.to("lazymem")), y.to("lazymem"))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+                losses.append(loss.item())
+                st = torch_lazymem.stats()
+                assert st["splits"] >= 1  # (a split plan: the case the workspace model is consulted in)
+                reused.append(st["plans_reused"])
+        return losses, reused
+
+    losses, reused = run(True)
+    assert all(r >= 1 for r in reused[-5:]), reused
+    losses0, _ = run(False)
+    assert losses == losses0  # the reused plan runs the same kernels on the same chunks
