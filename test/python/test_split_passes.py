@@ -106,6 +106,32 @@ def test_a_chunks_batch_norm_sums_are_eagers_own_on_the_cpu(layout, dtype, stats
     torch.testing.assert_close(dx, expected.to(dtype))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided", "features"])
+@pytest.mark.parametrize("dtype,stats_dtype", [(torch.float64, torch.float64), (torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.float32)])
+def test_a_chunks_batch_norm_transform_is_eagers_in_every_layout(layout, dtype, stats_dtype):
+    """bn_apply (a split batch norm's per-chunk normalization from the merged statistics) gives eager's
+    training output from the same statistics, in every layout and dtype, laid out as its meta
+    function predicts (not bitwise: eager's kernel may fuse x * alpha + beta where addcmul does not)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 5, 4, 3, generator=g, dtype=torch.float64) * 3 + 2
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "strided":
+        x = x[:, :, ::2]
+    elif layout == "features":
+        x = x[:, :, 0, 0]
+    x = x.to(dtype)
+    w = (torch.rand(x.shape[1], generator=g, dtype=torch.float64) + 0.5).to(stats_dtype)
+    b = torch.randn(x.shape[1], generator=g, dtype=torch.float64).to(stats_dtype)
+    xd = x.to(stats_dtype)
+    expected, mean, invstd = torch.native_batch_norm(xd, w, b, None, None, True, 0.0, 1e-5)
+    y = torch.ops.lazymem.bn_apply(x, mean, invstd, w, b)
+    meta = torch.ops.lazymem.bn_apply(x.to("meta"), mean.to("meta"), invstd.to("meta"), w.to("meta"), b.to("meta"))
+    assert y.dtype == dtype and y.shape == x.shape and y.stride() == meta.stride()
+    torch.testing.assert_close(y, expected.to(dtype))
+
+
 def test_eval_after_split_training_uses_the_merged_running_statistics():
     make, data = NORMS["bn2d_momentum_none"]
     torch.manual_seed(0)
