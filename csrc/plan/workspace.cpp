@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 #include <c10/util/hash.h>
 
 namespace lazymem {
