@@ -65,6 +65,18 @@ def reference_backward_sums(g, x, mean, invstd, dtype):
     return torch.stack([gd.sum(dims), (gd * (x.to(dtype) - mean.view(shape))).sum(dims) * invstd])
 
 
+def batch_norm_input(layout, dtype, g):
+    """A (6, 5, 4, 3) batch norm input (or its (6, 5) features) in `layout`, of `dtype`."""
+    x = torch.randn(6, 5, 4, 3, generator=g, dtype=torch.float64) * 3 + 2
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "strided":
+        x = x[:, :, ::2]
+    elif layout == "features":
+        x = x[:, :, 0, 0]
+    return x.to(dtype)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided", "features"])
 @pytest.mark.parametrize("dtype,stats_dtype", [(torch.float64, torch.float64), (torch.float32, torch.float32),
                                                (torch.bfloat16, torch.float32)])
@@ -75,14 +87,7 @@ def test_a_chunks_batch_norm_sums_are_eagers_own_on_the_cpu(layout, dtype, stats
     grad_weight; the other cases (a bfloat16 chunk's backward sums) run the composition. Both equal
     the composition's formulas. bn_backward_elemt from one chunk's sums is eager's input gradient."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(6, 5, 4, 3, generator=g, dtype=torch.float64) * 3 + 2
-    if layout == "channels_last":
-        x = x.contiguous(memory_format=torch.channels_last)
-    elif layout == "strided":
-        x = x[:, :, ::2]
-    elif layout == "features":
-        x = x[:, :, 0, 0]
-    x = x.to(dtype)
+    x = batch_norm_input(layout, dtype, g)
     grad = torch.randn(x.shape, generator=g, dtype=torch.float64).to(dtype)
     moments = torch.ops.lazymem.bn_moments(x, stats_dtype)
     torch.testing.assert_close(moments, reference_moments(x, stats_dtype))
@@ -114,14 +119,7 @@ def test_a_chunks_batch_norm_transform_is_eagers_in_every_layout(layout, dtype, 
     training output from the same statistics, in every layout and dtype, laid out as its meta
     function predicts (not bitwise: eager's kernel may fuse x * alpha + beta where addcmul does not)."""
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(6, 5, 4, 3, generator=g, dtype=torch.float64) * 3 + 2
-    if layout == "channels_last":
-        x = x.contiguous(memory_format=torch.channels_last)
-    elif layout == "strided":
-        x = x[:, :, ::2]
-    elif layout == "features":
-        x = x[:, :, 0, 0]
-    x = x.to(dtype)
+    x = batch_norm_input(layout, dtype, g)
     w = (torch.rand(x.shape[1], generator=g, dtype=torch.float64) + 0.5).to(stats_dtype)
     b = torch.randn(x.shape[1], generator=g, dtype=torch.float64).to(stats_dtype)
     xd = x.to(stats_dtype)
