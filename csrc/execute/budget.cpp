@@ -13,6 +13,8 @@
 #include <mutex>
 #include <string>
 
+#include <unistd.h>
+
 #include "core/check.h"
 #include "core/config.h"
 #include "core/cuda_backend.h"
