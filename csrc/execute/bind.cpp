@@ -163,7 +163,7 @@ size_t Binder::node_index(const PlannedNode& pn) const {
 void Binder::keep(const PlannedNode& pn, size_t i, const at::Tensor& home, const at::Tensor& r, const Taken& taken) {
   const size_t j = node_index(pn);
   for (Kept& k : kept_) {
-    if (k.rows.writer != j || k.rows.def != i) continue;
+    if (k.rows.read || k.rows.writer != j || k.rows.def != i) continue;
     // Readers view it as dense rows in the order of `home`'s elements, holding `home`'s values: the
     // kernel's result as it is when it is that and nothing else holds its memory (an operand it
     // aliases may be updated before a reader), else a dense copy (made inside the node's measured
@@ -297,10 +297,23 @@ at::Tensor Binder::use(const PlannedNode& pn, size_t i) {
       return d;
     }
   }
-  if (!ahead_.empty() && bd && bd->bind == Bind::kNarrow) {
-    if (at::Tensor d = take_ahead(pn, i, v); d.defined()) return d;
+  at::Tensor d;
+  if (!ahead_.empty() && bd && bd->bind == Bind::kNarrow) d = take_ahead(pn, i, v);
+  if (!d.defined()) d = device_copy(static_cast<int64_t>(i), v, u.write, !u.write_only);
+  if (!kept_.empty() && bd && bd->bind == Bind::kNarrow && !u.write) keep_read(pn, i, v, d);
+  return d;
+}
+
+void Binder::keep_read(const PlannedNode& pn, size_t i, const at::Tensor& home, const at::Tensor& d) {
+  const size_t j = node_index(pn);
+  for (Kept& k : kept_) {
+    if (!k.rows.read || k.rows.writer != j || k.rows.def != i) continue;
+    // The copy is dense in the order of `home`'s elements (copy_to_device, PendingCopy), which are
+    // one dense range (kept_rows): what kept_view expects.
+    if (!home.is_contiguous() || !d.is_contiguous() || !d.sizes().equals(home.sizes())) return;
+    k.device = d;
+    k.home = home;
   }
-  return device_copy(static_cast<int64_t>(i), v, u.write, !u.write_only);
 }
 
 at::Tensor Binder::home(const PlannedNode& pn, size_t i) {

@@ -133,7 +133,8 @@ class Binder {
   };
   // Rows the chunk writes into a host-held value and reads again (plan.h KeptRows): the kernel's
   // result (`device`, for the rows `home` of the value in host memory) from the writer through the
-  // last reader, which read views of it (kept_view) instead of copying the rows back in.
+  // last reader, which read views of it (kept_view) instead of copying the rows back in. For a shared
+  // read, the first reader's device copy of its rows `home`.
   struct Kept {
     KeptRows rows;
     at::Tensor device, home;
@@ -144,6 +145,8 @@ class Binder {
   void keep(const PlannedNode& pn, size_t i, const at::Tensor& home, const at::Tensor& r,
             const c10::SmallVector<const c10::StorageImpl*, 8>& taken);
   at::Tensor kept_view(const PlannedNode& pn, size_t i, const at::Tensor& home) const;
+  // A shared read's first reader (use i of `pn`) copied `home` to `d`: kept for the later readers.
+  void keep_read(const PlannedNode& pn, size_t i, const at::Tensor& home, const at::Tensor& d);
   std::vector<std::pair<const PlannedNode*, size_t>> aheadable_; // uses copied ahead in this loop
   std::vector<Ahead> ahead_;
   int64_t copied_bytes_ = 0;

@@ -180,7 +180,16 @@ class Simulator {
       return false;
     };
     auto kept_def = [&](size_t node, size_t i) {
-      return std::any_of(kept.begin(), kept.end(), [&](const KeptRows& k) { return k.writer == node && k.def == i; });
+      return std::any_of(kept.begin(), kept.end(),
+                         [&](const KeptRows& k) { return !k.read && k.writer == node && k.def == i; });
+    };
+    // A shared read's first reader: its copy of the rows stays from its node on.
+    auto kept_copy = [&](size_t node) {
+      Affine a;
+      for (const KeptRows& k : kept) {
+        if (k.read && k.writer == node) a.per_row += bytes_per_row(k.meta(st), k.bound(st), st.batch);
+      }
+      return a;
     };
     cur_ += ahead;
     std::vector<char> adopted(st.slots.size(), 0); // partials that became accumulators
@@ -248,6 +257,7 @@ class Simulator {
         w.per_row = std::max(w.per_row, transient.per_row);
         point(s, true, cur_ + out + copies + w, &n);
         cur_ += out;
+        cur_ += kept_copy(j);
         for (int32_t slot : pn.accumulate) {
           if (pass == 0 && !adopted[slot]) {
             adopted[slot] = 1; // the first partial becomes the accumulator: it stays
@@ -262,8 +272,7 @@ class Simulator {
           live[slot] = 0;
         }
         for (const KeptRows& k : kept) {
-          if (k.last == j) cur_.per_row -= bytes_per_row(st.nodes[k.writer].node->defs[k.def].ref.meta,
-                                                         st.nodes[k.writer].defs[k.def], st.batch);
+          if (k.last == j) cur_.per_row -= bytes_per_row(k.meta(st), k.bound(st), st.batch);
         }
       }
       for (size_t i = 0; i < live.size(); ++i) {

@@ -74,12 +74,10 @@ std::string node_line(const PlannedNode& pn) {
 
 } // namespace
 
-bool copied_ahead(const Stage& st, const PlannedNode& pn, size_t i) {
-  if (!st.loop || pn.uses.size() <= i) return false;
-  const Bound& bd = pn.uses[i];
-  const Use& u = pn.node->uses[i];
-  if (bd.bind != Bind::kNarrow || bd.outer != 1 || u.write || pn.node->upload) return false;
-  const LazyBuffer* b = u.ref.buf.get();
+namespace {
+
+// Whether no node of `st` writes `b`.
+bool read_only(const Stage& st, const LazyBuffer* b) {
   for (const PlannedNode& other : st.nodes) {
     for (const Def& d : other.node->defs) {
       if (d.ref.buf.get() == b) return false;
@@ -89,6 +87,76 @@ bool copied_ahead(const Stage& st, const PlannedNode& pn, size_t i) {
     }
   }
   return true;
+}
+
+// A use that reads rows of the chunk of a value, and nothing else of it, without writing it.
+bool reads_rows(const PlannedNode& pn, size_t i) {
+  if (pn.uses.size() <= i) return false;
+  const Bound& bd = pn.uses[i];
+  return bd.bind == Bind::kNarrow && bd.outer == 1 && bd.dim >= 0 && !pn.node->uses[i].write && !pn.node->upload;
+}
+
+bool within_rows(const TensorMeta& dm, const Bound& db, const TensorMeta& um, const Bound& ub, int64_t rows);
+
+// The shared reads of `b` (read only in `st`): uses in order, each joining the first earlier one (of
+// an earlier node) whose rows of the same version hold its rows, or starting a group of its own.
+std::vector<KeptRows> shared_reads(const Stage& st, const LazyBuffer* b) {
+  std::vector<KeptRows> groups;
+  for (size_t n = 0; n < st.nodes.size(); ++n) {
+    const PlannedNode& r = st.nodes[n];
+    for (size_t u = 0; u < r.uses.size(); ++u) {
+      const Use& use = r.node->uses[u];
+      if (use.ref.buf.get() != b || !reads_rows(r, u)) continue;
+      const Bound& ub = r.uses[u];
+      bool joined = false;
+      for (KeptRows& g : groups) {
+        const PlannedNode& w = st.nodes[g.writer];
+        const Use& first = w.node->uses[g.def];
+        const Bound& fb = w.uses[g.def];
+        const int64_t rows = fb.map.identity() ? st.batch : fb.map.n;
+        if (g.writer == n || first.ref.version != use.ref.version || fb.map != ub.map ||
+            !within_rows(first.ref.meta, fb, use.ref.meta, ub, rows)) {
+          continue;
+        }
+        g.readers.emplace_back(n, u);
+        g.last = n;
+        joined = true;
+        break;
+      }
+      if (!joined) groups.push_back(KeptRows{n, u, n, {}, true});
+    }
+  }
+  return groups;
+}
+
+bool shared_reader(const Stage& st, size_t j, size_t i) {
+  for (const KeptRows& g : shared_reads(st, st.nodes[j].node->uses[i].ref.buf.get())) {
+    if (std::find(g.readers.begin(), g.readers.end(), std::make_pair(j, i)) != g.readers.end()) return true;
+  }
+  return false;
+}
+
+} // namespace
+
+bool copied_ahead(const Stage& st, const PlannedNode& pn, size_t i) {
+  if (!st.loop || pn.uses.size() <= i) return false;
+  const Bound& bd = pn.uses[i];
+  const Use& u = pn.node->uses[i];
+  if (bd.bind != Bind::kNarrow || bd.outer != 1 || u.write || pn.node->upload) return false;
+  if (!read_only(st, u.ref.buf.get())) return false;
+  // A reader of rows an earlier use's copy holds takes that copy (KeptRows::read): nothing to copy.
+  const size_t j = static_cast<size_t>(&pn - st.nodes.data());
+  return !(j < st.nodes.size() && reads_rows(pn, i) && shared_reader(st, j, i));
+}
+
+const TensorMeta& KeptRows::meta(const Stage& st) const {
+  const Node& n = *st.nodes[writer].node;
+  return read ? n.uses[def].ref.meta : n.defs[def].ref.meta;
+}
+
+const Bound& KeptRows::bound(const Stage& st) const {
+  const PlannedNode& pn = st.nodes[writer];
+  return read ? pn.uses[def] : pn.defs[def];
 }
 
 namespace {
@@ -165,6 +233,19 @@ std::vector<KeptRows> kept_rows(const Stage& st, c10::function_ref<bool(const La
         }
       }
       if (!k.readers.empty()) out.push_back(std::move(k));
+    }
+  }
+  // Shared reads of host-held values the stage only reads, each value once.
+  std::vector<const LazyBuffer*> seen;
+  for (const PlannedNode& r : st.nodes) {
+    for (size_t u = 0; u < r.uses.size(); ++u) {
+      const LazyBuffer* b = r.node->uses[u].ref.buf.get();
+      if (!reads_rows(r, u) || !on_host(b) || std::find(seen.begin(), seen.end(), b) != seen.end()) continue;
+      seen.push_back(b);
+      if (!read_only(st, b)) continue;
+      for (KeptRows& g : shared_reads(st, b)) {
+        if (!g.readers.empty()) out.push_back(std::move(g));
+      }
     }
   }
   return out;

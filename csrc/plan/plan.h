@@ -225,7 +225,8 @@ struct Plan {
 // Whether use `i` of `pn` in loop stage `st`, when its value is held in host memory, has each chunk's
 // rows copied to the device ahead of the node (execute/transfer.h PendingCopy: the next chunk's rows
 // start crossing once the node has read this chunk's): rows of the chunk, read only, of a value no
-// node of the stage writes. The memory model holds one such copy per use across the whole loop.
+// node of the stage writes, and not rows an earlier use's copy holds already (a shared read below).
+// The memory model holds one such copy per use across the whole loop.
 bool copied_ahead(const Stage& st, const PlannedNode& pn, size_t i);
 
 // Rows a loop writes into a value held in host memory and reads again in the same chunk (a result the
@@ -236,9 +237,19 @@ bool copied_ahead(const Stage& st, const PlannedNode& pn, size_t i);
 // same rows of the batch, and elements all within the writer's rows, which are one dense range (so a
 // view of the kernel's result is the reader's view). Not for random writers or results divided after
 // their kernel (post_div). The memory model holds the rows from the writer through the last reader.
+//
+// Shared reads (`read`): a value held in host memory that no node of the stage writes, read by several
+// nodes of the chunk (a ReLU's output, read by the max pool's and the ReLU's backward): the first
+// reader's device copy of its rows (node `writer`, use `def`) stays on the device through the last
+// reader, and the later readers view it instead of copying the same rows in again. The same rules make
+// a reader; the first reader's rows are one dense range.
 struct KeptRows {
   size_t writer = 0, def = 0, last = 0;
   std::vector<std::pair<size_t, size_t>> readers; // (node, use) of st.nodes, in order
+  bool read = false; // a shared read: `def` is a use of node `writer`
+  // The kept rows' view and binding: the writer's def, or the first reader's use.
+  const TensorMeta& meta(const Stage& st) const;
+  const Bound& bound(const Stage& st) const;
 };
 // In loop stage `st`, with `on_host` telling which buffers are held in host memory there.
 std::vector<KeptRows> kept_rows(const Stage& st, c10::function_ref<bool(const LazyBuffer*)> on_host);

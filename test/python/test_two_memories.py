@@ -334,6 +334,52 @@ def test_rows_written_to_host_memory_are_read_again_from_the_device_in_their_chu
     torch.testing.assert_close(held, xh.tanh())
 
 
+SHARED_READERS = {"same": lambda y: y.cos() * y.sin(),
+                  "view": lambda y: y.cos() + y.view(-1, 512).sin().view(2048, 1024),
+                  "strided": lambda y: y.cos()[:, ::2] * y[:, ::2]}
+
+
+@pytest.mark.parametrize("read", sorted(SHARED_READERS))
+def test_rows_of_a_host_held_value_that_two_nodes_read_cross_once_per_chunk(read):
+    """A pass in which two nodes read y's rows (y, 16 MiB under a 6 MiB device, held in host memory):
+    the first reader's device copy of the chunk's rows stays on the device through the second, which
+    views it (as it is, through another view, or strided) instead of copying the same rows in again
+    (KeptRows::read: before, y crossed twice and each read was copied ahead, held across the loop).
+    The memory model holds the copy from the first reader through the last, so the measured peak is
+    the prediction; eager's value."""
+    reader = SHARED_READERS[read]
+    torch.manual_seed(0)
+    xh = torch.randn(2048, 1024, dtype=torch.float64)
+    with simulated_device("6MiB", link="25GB/s"):
+        y = held_in_host_memory(xh)
+        torch_lazymem.reset_stats()
+        torch.lazymem.reset_peak_memory_stats()
+        got = reader(y).sum().item()
+        s = torch_lazymem.stats()
+        peak = torch.lazymem.max_memory_allocated()
+    assert s["chunks"] >= 3 and s["h2d_bytes"] == xh.nbytes and s["kept_reads"] == s["chunks"], s
+    assert s["h2d_ahead"] == s["chunks"], s  # (the first reader's copies still start a chunk ahead)
+    # Within the prediction, and near it (a chunk's rows of y are 1.5 MiB: one copy counted twice, or
+    # the copy left out, would show).
+    assert peak <= s["predicted_peak_bytes"] < peak + MIB // 2 and peak <= 6 * MIB, (peak, s)
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), reader(xh.tanh()).sum())
+
+
+@pytest.mark.parametrize("failure", range(1, 13))
+def test_an_allocation_failure_between_two_reads_of_host_held_rows_loses_nothing(failure):
+    """The n-th allocation fails while a chunk holds the first reader's copy of y's rows for the second
+    (the chunk runs again smaller and copies its rows again; the kept copy of the failed chunk is not
+    read): eager's value, or a lazymem out-of-memory error after which nothing is lost."""
+    torch.manual_seed(0)
+    xh = torch.randn(2048, 1024, dtype=torch.float64)
+    reader = SHARED_READERS["same"]
+    with simulated_device("6MiB", link="25GB/s"):
+        y = held_in_host_memory(xh)
+        got = item_despite_one_failure(reader(y).sum(), failure)
+        assert torch.lazymem.max_memory_allocated() <= 6 * MIB
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), reader(xh.tanh()).sum())
+
+
 @pytest.mark.parametrize("failure", range(1, 16, 2))
 def test_an_in_place_update_of_a_host_held_value_that_runs_out_of_memory_is_applied_once(failure):
     """y, held in host memory, is read (b = 3y), updated in place chunk by chunk (each chunk's rows
