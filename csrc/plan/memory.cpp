@@ -321,6 +321,20 @@ int64_t MemoryModel::max_chunk(int32_t stage, int64_t batch, int64_t budget) con
   return std::max<int64_t>(c, 0);
 }
 
+const MemPoint* MemoryModel::bounding(int32_t stage, int64_t budget) const {
+  const MemPoint* best = nullptr;
+  int64_t rows = 0;
+  for (const MemPoint& p : points) {
+    if (p.stage != stage || p.per_row <= 0) continue;
+    const int64_t r = (budget - p.bytes) / p.per_row;
+    if (!best || r < rows) {
+      best = &p;
+      rows = r;
+    }
+  }
+  return best;
+}
+
 void MemoryModel::annotate(Plan& plan) const {
   std::unordered_map<const Node*, int64_t> at;
   for (const MemPoint& p : points) {
@@ -375,6 +389,16 @@ ChunkChoice choose_chunks(Plan& plan, int64_t budget, int64_t forced, std::vecto
         continue;
       }
       st.chunk = balanced_chunk(B, cmax);
+      st.bound = Stage::ChunkBound{};
+      if (cmax < B) {
+        if (const MemPoint* p = model.bounding(static_cast<int32_t>(s), budget)) {
+          for (size_t j = 0; j < st.nodes.size(); ++j) {
+            if (st.nodes[j].node != p->node) continue;
+            st.bound = Stage::ChunkBound{static_cast<int32_t>(j), p->bytes, p->per_row};
+            break;
+          }
+        }
+      }
     }
     const MemPoint* where = nullptr;
     plan.predicted_peak = model.peak(plan, &where);

@@ -35,6 +35,9 @@ struct MemoryModel {
   // batch if everything fits), and the smallest constant part of its points above the budget (0 if
   // none) for explanations.
   int64_t max_chunk(int32_t stage, int64_t batch, int64_t budget) const;
+  // The point of loop `stage` that bounds its chunk within `budget` (the least rows fit there), or
+  // nullptr: no point grows with the rows.
+  const MemPoint* bounding(int32_t stage, int64_t budget) const;
   // Whole-stage points above `budget` (values that cannot be split and do not fit).
   std::vector<const MemPoint*> over(int64_t budget) const;
   // Records each node's predicted bytes (at its stage's chunk size) in the plan.

@@ -371,6 +371,12 @@ std::string Plan::to_string(bool nodes) const {
       }
       os << " in " << st.chunks() << " chunks of " << st.chunk
          << ", " << st.nodes.size() << " nodes\n";
+      if (st.bound.node >= 0 && static_cast<size_t>(st.bound.node) < st.nodes.size()) {
+        const Node& at = *st.nodes[static_cast<size_t>(st.bound.node)].node;
+        os << "    chunk rows bounded at #" << at.seq << " " << at.op.operator_name().name << ": "
+           << format_bytes(st.bound.bytes) << " held there whatever the chunk size, " << format_bytes(st.bound.per_row)
+           << " more a row\n";
+      }
       // Chunk-local values: every one with `nodes`, else the largest and a total.
       std::vector<const Slot*> local, partial;
       int64_t per_chunk = 0;

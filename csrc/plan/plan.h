@@ -143,6 +143,12 @@ struct Stage {
   int32_t batch_id = 0;   // which batch (a plan may split several, each in its own loops)
   bool tensor_rows = false; // a loop over one tensor's rows, not a batch (plan/rows.h): `batch` is its rows
   int64_t chunk = 0;      // rows per chunk (the last one may be smaller)
+  // What bounds `chunk` where the budget does (explain()): at node `node` of `nodes` (-1: nothing
+  // said), `bytes` held whatever the chunk size and `per_row` more a row (plan/memory.h MemPoint).
+  struct ChunkBound {
+    int32_t node = -1;
+    int64_t bytes = 0, per_row = 0;
+  } bound;
   std::vector<Slot> slots;
   std::vector<Accumulator> accs;
   std::vector<FullStore> stores;

@@ -137,6 +137,37 @@ def test_explain_and_stats_describe_the_split():
     assert stats["chunks"] == 3 and stats["passes"] == 2  # the targets' total weight, then the step
 
 
+def parse_bytes(text: str) -> float:
+    value, unit = text.split()
+    return float(value) * {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[unit]
+
+
+def test_explain_says_what_bounds_each_loops_chunk():
+    """Under a budget, each pass the budget chunks names the node where the fewest rows fit, what is
+    held there whatever the chunk size and what a row adds: the chunk fits there, and one chunk fewer
+    would not (to the printed figures' rounding)."""
+    torch.manual_seed(0)
+    xh = torch.randn(2048, 1024, dtype=torch.float64)
+    budget = 6 << 20
+    with simulated_device("6MiB"):
+        y = xh.to("lazymem")
+        got = (y * 2).exp().sin().sum().item()
+        text = torch_lazymem.explain(print_it=False)
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), (xh * 2).exp().sin().sum())
+    lines = text.splitlines()
+    bounded = [i for i, line in enumerate(lines) if "chunk rows bounded at #" in line]
+    assert bounded, text
+    for i in bounded:
+        head = lines[i - 1]  # the pass's own line
+        assert "pass over 2048 rows in " in head, (head, text)
+        chunks, chunk = (int(v) for v in head.split(" rows in ")[1].split(",")[0].split(" chunks of "))
+        held_text, rest = lines[i].split(": ", 1)[1].split(" held there whatever the chunk size, ")
+        held, per_row = parse_bytes(held_text), parse_bytes(rest.split(" more a row")[0])
+        assert held < budget and per_row > 0, lines[i]
+        assert held + chunk * per_row <= budget * 1.01, (lines[i], head)
+        assert chunks > 1 and held + -(-2048 // (chunks - 1)) * per_row > budget * 0.99, (lines[i], head)
+
+
 def test_debug_mode_prints_the_split_summary():
     code = (
         "import torch, torch_lazymem\n"
