@@ -168,6 +168,17 @@ def held_in_host_memory(xh):
     return y
 
 
+def pass_over_held(xh, link, reader):
+    """reader(y).sum().item() for y = held_in_host_memory(xh) under a 6 MiB device with `link`: the
+    value, and that pass's stats, explain() text and measured peak."""
+    with simulated_device("6MiB", link=link):
+        y = held_in_host_memory(xh)
+        torch_lazymem.reset_stats()
+        torch.lazymem.reset_peak_memory_stats()
+        got = reader(y).sum().item()
+        return got, torch_lazymem.stats(), torch_lazymem.explain(print_it=False), torch.lazymem.max_memory_allocated()
+
+
 def test_the_next_chunks_rows_cross_while_this_chunk_computes():
     """A pass reading a host-held value (16 MiB under a 6 MiB device) starts copying each chunk's rows
     while the chunk before computes, on the copy worker (DESIGN.md §3): every chunk's rows come in
@@ -175,14 +186,7 @@ def test_the_next_chunks_rows_cross_while_this_chunk_computes():
     within the prediction and the cap; eager's value."""
     torch.manual_seed(0)
     xh = torch.randn(2048, 1024, dtype=torch.float64)
-    with simulated_device("6MiB", link="1GB/s"):
-        y = held_in_host_memory(xh)
-        torch_lazymem.reset_stats()
-        torch.lazymem.reset_peak_memory_stats()
-        got = (y * 2).exp().sin().sum().item()
-        s = torch_lazymem.stats()
-        text = torch_lazymem.explain(print_it=False)
-        peak = torch.lazymem.max_memory_allocated()
+    got, s, text, peak = pass_over_held(xh, "1GB/s", lambda y: (y * 2).exp().sin())
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), (xh.tanh() * 2).exp().sin().sum())
     assert s["chunks"] >= 3 and s["h2d_ahead"] == s["chunks"], s
     assert s["h2d_bytes"] == xh.nbytes, s
@@ -346,17 +350,11 @@ def test_rows_of_a_host_held_value_that_two_nodes_read_cross_once_per_chunk(read
     views it (as it is, through another view, or strided) instead of copying the same rows in again
     (KeptRows::read: before, y crossed twice and each read was copied ahead, held across the loop).
     The memory model holds the copy from the first reader through the last, so the measured peak is
-    the prediction; eager's value."""
+    within the prediction and near it; eager's value (11 chunks of 2,048 rows: the last one ragged)."""
     reader = SHARED_READERS[read]
     torch.manual_seed(0)
     xh = torch.randn(2048, 1024, dtype=torch.float64)
-    with simulated_device("6MiB", link="25GB/s"):
-        y = held_in_host_memory(xh)
-        torch_lazymem.reset_stats()
-        torch.lazymem.reset_peak_memory_stats()
-        got = reader(y).sum().item()
-        s = torch_lazymem.stats()
-        peak = torch.lazymem.max_memory_allocated()
+    got, s, _, peak = pass_over_held(xh, "25GB/s", reader)
     assert s["chunks"] >= 3 and s["h2d_bytes"] == xh.nbytes and s["kept_reads"] == s["chunks"], s
     assert s["h2d_ahead"] == s["chunks"], s  # (the first reader's copies still start a chunk ahead)
     # Within the prediction, and near it (a chunk's rows of y are 1.5 MiB: one copy counted twice, or
