@@ -316,6 +316,11 @@ def first_step(case: Case, base: nn.Module, rows: int) -> str:
             f"| {first * 1e3:.0f} | {best * 1e3:.0f} | {'ok' if first <= goal else 'miss'} | {dynamo} |")
 
 
+def last_line(p: subprocess.CompletedProcess[str], n: int) -> str:
+    """The first `n` characters of a failed run's last stderr line (its exception)."""
+    return (p.stderr.strip().splitlines() or ["?"])[-1][:n]
+
+
 def first_steps(factor: int) -> int:
     """(g): each case's first step in a fresh process, at eager's largest batch times `factor`."""
     print(f"(g) the first step of each case in a fresh process at {factor}x eager's largest batch: predicted and "
@@ -334,9 +339,9 @@ def first_steps(factor: int) -> int:
         out, eager = (subprocess.run(cmd + extra, capture_output=True, text=True)
                       for extra in (["--rows", str(b_e * factor)], ["--rows", str(b_e), "--eager"]))
         eager_cell = (f"{eager.stdout.strip()} at {b_e}" if eager.returncode == 0 else
-                      f"failed at {b_e}: {(eager.stderr.strip().splitlines() or ['?'])[-1][:120]}")
+                      f"failed at {b_e}: {last_line(eager, 120)}")
         print(f"{out.stdout.strip()} {eager_cell} |" if out.returncode == 0 else f"| {case.name} | {b_e * factor} | failed: "
-              f"{(out.stderr.strip().splitlines() or ['?'])[-1][:200]} |", flush=True)
+              f"{last_line(out, 200)} |", flush=True)
     return 0
 
 
