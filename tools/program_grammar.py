@@ -58,9 +58,12 @@ class Spec:
     # Arithmetic by hand after the stem (mul, add, sub, div, rsub, neg by Python numbers): on small
     # activations a chain the CPU backing runs as one loop (csrc/execute/fuse.h), forward and backward.
     arith: bool = False
+    # Token programs: BERT's token types without token_type_ids, a constant buffer of zeros expanded
+    # to the batch and embedded (a replicated value of the batch's size, read row by row).
+    types: bool = False
 
     FEATURES = ("read_before", "halves", "clip", "scaler", "mid_sync", "towers", "mixup", "inplace", "sampled",
-                "two_steps", "wide", "arith")
+                "two_steps", "wide", "arith", "types")
 
     def text(self) -> str:
         flags = [f for f in self.FEATURES if getattr(self, f)]
@@ -106,6 +109,8 @@ def draw(seed: int) -> Spec:
     wide = idioms.random() < 0.25
     # So does arithmetic by hand after the stem.
     arith = random.Random(seed ^ 0xA817).random() < 0.3
+    # So do token types (tokens only).
+    types = random.Random(seed ^ 0x7E7E).random() < 0.4
     # So does the recompute setting (host memory for values crossing passes in a quarter of programs).
     h = random.Random(seed ^ 0x4057).random()
     recompute = False if h < 0.25 else True if h < 0.35 else None
@@ -123,7 +128,8 @@ def draw(seed: int) -> Spec:
         mid_sync=r.random() < 0.2, towers=r.random() < 0.2, mixup=r.random() < 0.2,
         cap_fraction=r.uniform(0.05, 1.0), fail_at=r.randint(1, 40) if r.random() < 0.3 else 0,
         rand_ops=[(min(i, len(layers)), op) for i, op in rand_ops], recompute=recompute, sampled=sampled,
-        two_steps=two_steps and training and not halves, wide=wide, arith=arith)
+        two_steps=two_steps and training and not halves, wide=wide, arith=arith,
+        types=types and kind == "tok")
     # Features a replay leaves out (PROGRAM_FUZZ_WITHOUT=wide,...): a seed that found a bug before a
     # feature joined the grammar replays the program that found it.
     for feature in filter(None, os.environ.get("PROGRAM_FUZZ_WITHOUT", "").split(",")):
@@ -227,12 +233,18 @@ class Net(nn.Module):
         self.tower = nn.Linear(w, w) if spec.towers else None
         self.codebook = nn.Parameter(torch.randn(2048, w) * 0.1) if spec.wide else None
         self.head = nn.Linear(w, 1 if spec.loss == "mse" else classes)
+        # (Made last: the other parameters draw what they drew before token types joined the grammar.)
+        self.types = nn.Embedding(2, w) if spec.types else None
+        if spec.types:
+            self.register_buffer("type_ids", torch.zeros(1, 64, dtype=torch.long), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pad = (x == 0) if self.spec.kind == "tok" else None
         if pad is not None:
             pad = pad & ~pad.all(1, keepdim=True)  # a row of padding only would give NaN attention
         h = self.stem(x)
+        if self.types is not None:  # BertEmbeddings' token types: its buffer, sliced and expanded
+            h = h + self.types(self.type_ids[:, : x.shape[1]].expand(x.shape[0], x.shape[1]))
         if self.spec.kind == "img":
             h = activation(self.spec, h)
         if self.spec.arith:  # h + 0.5, in nine ops, then four in place

@@ -37,7 +37,10 @@ bool embedding_backward(const RuleCall& c, RuleResult& r) {
   }
   int64_t g = c.operand_index(0), ix = c.operand_index(1);
   if (g < 0 || ix < 0) return fail(r, "missing operands");
-  auto p = broadcast(c, r, c.ins[ix].sizes, nullptr, std::vector<int64_t>{ix});
+  // Replicated indices (a constant expanded to the batch) follow the gradient's rows.
+  const Operand& grad = c.ins[g];
+  const Place* seed = grad.place.is_s() && grad.place.dim < c.ins[ix].dim() ? &grad.place : nullptr;
+  auto p = broadcast(c, r, c.ins[ix].sizes, seed, std::vector<int64_t>{ix});
   if (!p || !p->is_s()) return p ? replicated(c, r) : false;
   if (c.ins[g].place.is_s() && c.ins[g].place != *p) return fail(r, "gradient and indices disagree on the batch");
   if (c.ins[g].sizes[p->dim] != c.ins[ix].sizes[p->dim]) return fail(r, "gradient and indices disagree");
@@ -63,7 +66,15 @@ bool index_select(const RuleCall& c, RuleResult& r) {
     return true;
   }
   const Operand& self = c.ins[s];
-  if (!self.place.is_s()) return replicated(c, r);
+  if (!self.place.is_s()) {
+    // Replicated indices (a constant buffer expanded to the batch: BERT's token types) whose
+    // output is wanted batch-sharded along `dim`: each chunk selects with its rows of the indices.
+    const Place* want = c.wanted(0);
+    if (ix < 0 || !want || !want->is_s() || want->dim != dim || c.ins[ix].dim() != 1) return replicated(c, r);
+    r.ins[ix] = OperandMode::rows(0, *want);
+    r.outs[0] = *want;
+    return true;
+  }
   if (self.place.dim == dim) return fail(r, "selects rows along the batch");
   r.ins[s] = OperandMode::rows(self.place.dim, self.place.unit);
   r.outs[0] = self.place;

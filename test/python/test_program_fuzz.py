@@ -76,7 +76,7 @@ REGRESSION_SEEDS = [437, 550, 1050, 1195, 1254, 1671, 1689, 1773, 100119, 101831
 def test_seeds_that_found_bugs(seed):
     # Each in a fresh worker, as `--replay SEED` runs it, without the grammar's later features (the
     # codebook a quarter of seeds now draw): the program that found the bug.
-    [r] = program_fuzz.run_seeds([seed], env={"PROGRAM_FUZZ_WITHOUT": "wide,arith"})
+    [r] = program_fuzz.run_seeds([seed], env={"PROGRAM_FUZZ_WITHOUT": "wide,arith,types"})
     assert r["status"] == "ok", describe(r)
 
 
@@ -85,7 +85,7 @@ def test_an_out_of_memory_error_after_retries_says_why_the_first_plan_did_not_fi
     whatever the chunk size), runs, runs out of memory and is planned again from where it stopped, and
     what is left has no batch; the error said only that ("no data leaf", an unexplained `other` to the
     fuzzer). It quotes the first plan's reason now, and its per-tensor chains once each."""
-    [r] = program_fuzz.run_seeds([813135], env={"PROGRAM_FUZZ_WITHOUT": "wide,arith"})
+    [r] = program_fuzz.run_seeds([813135], env={"PROGRAM_FUZZ_WITHOUT": "wide,arith,types"})
     assert r["status"] == "oom" and r["cause"] == "unsplittable", describe(r)
     assert "As first planned, before " in r["detail"] and "must be held whatever the chunk size" in r["detail"], r
     assert "chains of 2 per-tensor ops over 2 tensors each run in 2 groups" in r["detail"], r
@@ -146,7 +146,7 @@ SEQUENCES = [("0", list(range(9042, 9056, 2)) + [9110]), ("auto", [810858, 81115
 
 @pytest.mark.parametrize(("recompute", "seeds"), SEQUENCES)
 def test_sequences_that_found_bugs(recompute, seeds):
-    results = program_fuzz.run_seeds(seeds, env={"LAZYMEM_RECOMPUTE": recompute, "PROGRAM_FUZZ_WITHOUT": "arith"})
+    results = program_fuzz.run_seeds(seeds, env={"LAZYMEM_RECOMPUTE": recompute, "PROGRAM_FUZZ_WITHOUT": "arith,types"})
     assert [r["seed"] for r in results] == seeds
     # The sequence ran in one worker: a worker that died part way would run the rest without the state.
     died = [r for r in results if r["status"] in ("CRASH", "HANG")]
@@ -208,7 +208,7 @@ def test_a_worker_that_dies_is_a_crash_record_per_seed():
     worker dies so alone is a CRASH, the others run; a worker that dies in a seed is a CRASH of that
     seed, and the seeds after it go on in a new worker."""
     env = {"PROGRAM_FUZZ_FAKE_STARTUP_CRASH": "6", "PROGRAM_FUZZ_FAKE_CRASH": "8",
-           "PROGRAM_FUZZ_WITHOUT": "wide,arith"}  # (seeds 5 and 7 finish without the codebook)
+           "PROGRAM_FUZZ_WITHOUT": "wide,arith,types"}  # (seeds 5 and 7 finish without the codebook)
     results = program_fuzz.run_batches([[5, 6], [8, 7]], jobs=3, env=env)
     by_seed = {r["seed"]: r for r in results}
     assert sorted(by_seed) == [5, 6, 7, 8] and len(results) == 4, results

@@ -266,3 +266,48 @@ def test_a_refused_allocation_of_the_storage_a_node_writes_first_is_not_learned_
             refused += 1
             assert entries == known, n
         assert refused >= 2
+
+
+@pytest.mark.parametrize("sync_mid_forward", [False, True])
+def test_an_embedding_of_a_constant_expanded_to_the_batch_is_computed_chunk_by_chunk(sync_mid_forward):
+    """BERT without token_type_ids: a constant index buffer (1, T) expanded to (B, T) is embedded
+    and added to the batch's own embedding. That embedding (B*T*D, 8 MiB here) is replicated, but read
+    only row by row: it is computed per chunk from the chunk's rows of the replicated indices
+    (index_select), and so is its gradient (embedding_dense_backward). The capacity holds a small
+    fraction of it. With the mask-like check mid-forward (a sync), the batch's work stays pending
+    across it. Results equal eager's, the peak stays within the capacity."""
+    B, T, D = 1024, 16, 64
+
+    class Embed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.words, self.types = nn.Embedding(32, D), nn.Embedding(2, D)
+            self.register_buffer("type_ids", torch.zeros(1, T, dtype=torch.long), persistent=False)
+            self.head = nn.Linear(D, 3)
+
+        def forward(self, ids):
+            e = self.words(ids) + self.types(self.type_ids.expand(ids.shape[0], T))
+            if sync_mid_forward:
+                assert bool((ids >= 0).all())
+            return self.head(torch.tanh(e).mean(1))
+
+    torch.manual_seed(0)
+    eager = Embed().double()
+    g = torch.Generator().manual_seed(1)
+    ids, y = torch.randint(0, 32, (B, T), generator=g), torch.randint(0, 3, (B,), generator=g)
+    loss_e = F.cross_entropy(eager(ids), y)
+    loss_e.backward()
+    cap = 2 * MiB
+    with simulated_device(cap):
+        lazy = copy.deepcopy(eager).to("lazymem")
+        for p in lazy.parameters():
+            p.grad = None
+        torch.lazymem.reset_peak_memory_stats()
+        torch_lazymem.reset_stats()
+        loss = F.cross_entropy(lazy(ids.to("lazymem")), y.to("lazymem"))
+        loss.backward()
+        torch.testing.assert_close(loss.cpu(), loss_e.detach())
+        for (name, p), q in zip(eager.named_parameters(), lazy.parameters()):
+            torch.testing.assert_close(q.grad.cpu(), p.grad, msg=lambda m, n=name: f"{n}.grad: {m}")
+        assert torch.lazymem.max_memory_allocated() <= cap
+        assert torch_lazymem.stats()["splits"] >= 1

@@ -200,6 +200,31 @@ def test_index_ops_with_batched_indices_into_a_replicated_table():
         assert torch_lazymem.stats()["splits"] >= 1
 
 
+def test_replicated_indices_expanded_to_the_batch_select_rows_per_chunk():
+    """BERT's token types: a constant index buffer expanded to the batch, through embedding and
+    index_select, added to batched rows. The selection, read only row by row, runs per chunk on the
+    chunk's rows of the replicated indices (index_select), its gradient beside the gradient's rows
+    (embedding_dense_backward); results equal eager's."""
+    torch.manual_seed(3)
+    table = torch.randn(5, 4, dtype=torch.float64).to("lazymem").requires_grad_()
+    const = torch.tensor([[1, 0, 3]]).to("lazymem")
+    x = torch.randn(B, 3, 4, dtype=torch.float64)
+    ref_table, ref_const = table.detach().cpu().requires_grad_(), const.cpu()
+    for fn in (lambda t, i: F.embedding(i.expand(B, 3), t),
+               lambda t, i: t.index_select(0, i.expand(B, 3).reshape(-1)).view(B, 3, 4)):
+        xr = x.clone().requires_grad_()
+        expected = (xr * fn(ref_table, ref_const)).tanh()
+        g_ref = torch.autograd.grad(expected.square().sum(), (ref_table, xr))
+        with force_chunks(3):
+            xl = x.to("lazymem").requires_grad_()
+            out = (xl * fn(table, const)).tanh()
+            g = torch.autograd.grad(out.square().sum(), (table, xl))
+            torch.testing.assert_close(out.cpu(), expected)
+            for a, b in zip(g, g_ref):
+                torch.testing.assert_close(a.cpu(), b)
+        assert torch_lazymem.stats()["splits"] >= 1
+
+
 def test_factories_that_carry_the_batch():
     x = torch.randn(B, 4, dtype=torch.float64)
     def fn(a):
