@@ -321,8 +321,9 @@ def last_line(p: subprocess.CompletedProcess[str], n: int) -> str:
     return (p.stderr.strip().splitlines() or ["?"])[-1][:n]
 
 
-def first_steps(factor: int) -> int:
-    """(g): each case's first step in a fresh process, at eager's largest batch times `factor`."""
+def first_steps(factor: int, words: list[str]) -> int:
+    """(g): each case's first step (those whose name holds one of `words`, all when empty) in a fresh
+    process, at eager's largest batch times `factor`."""
     print(f"(g) the first step of each case in a fresh process at {factor}x eager's largest batch: predicted and "
           "measured peak (MiB) of the step's last plan (backward and the optimizer step), their ratio (goal 0.98-1.02), out-of-memory retries "
           "(goal 0), measured peak / capacity; the first step's wall time (ms) against the fastest of 3 later steps "
@@ -332,6 +333,8 @@ def first_steps(factor: int) -> int:
     print("| case | batch | predicted | measured | ratio | retries | peak / capacity | first ms | later ms | item 5 "
           "| imported dynamo | eager first / later ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for i, case in enumerate(CASES):
+        if words and not any(w in case.name for w in words):
+            continue
         torch.manual_seed(0)
         b_e = largest_eager(case, case.model())
         cmd = [sys.executable, __file__, "--first-step-case", str(i)]
@@ -364,15 +367,15 @@ def main() -> int:
         case = CASES[args.first_step_case]
         print((eager_first_step if args.eager else first_step)(case, case.model(), args.rows))
         return 0
+    words = [w.strip() for w in args.cases.split(",")] if args.cases else []
     if args.first_step:
-        return first_steps(args.first_step)
+        return first_steps(args.first_step, words)
     reexec_for_malloc(not args.no_malloc_tuning)
     steps = 3 if args.quick else args.steps
     max_factor = 8 if args.quick else args.max_factor
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, simulated device; "
           f"median of {steps} steps after 2 warm-up steps\n")
     rows_a, rows_b, rows_c, rows_e, rows_f = [], [], [], [], []
-    words = [w.strip() for w in args.cases.split(",")] if args.cases else []
     for case in CASES:
         if words and not any(w in case.name for w in words):
             continue

@@ -1,11 +1,15 @@
 // execute: workspace probes (see ws_probe.h).
 #include "execute/ws_probe.h"
 
+#include <chrono>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
+#include <vector>
 
+#include <cstdio>
 #include <cstring>
 
 #include <ATen/core/Tensor.h>
@@ -17,6 +21,7 @@
 #include "execute/real.h"
 #include "execute/replay.h"
 #include "plan/probe.h"
+#include "plan/timing.h"
 #include "plan/workspace.h"
 
 namespace lazymem {
@@ -59,7 +64,8 @@ MemoryCounter& probe_counter() {
 
 // Runs `op` on zeros of `call`'s geometry on the backing device; the bytes its kernel held beyond
 // its outputs, or -1 when it refused (a probe teaches nothing then; the real run still learns).
-int64_t measure(const PlannedNode& pn, const ChunkCall& call) {
+// With `ns`, the kernel's wall time too.
+int64_t measure(const PlannedNode& pn, const ChunkCall& call, int64_t* ns = nullptr) {
   const Node& n = *pn.node;
   if (!meta_accepts(pn, call)) return -1; // the geometry is refused: never run the kernel on it
   try {
@@ -85,7 +91,11 @@ int64_t measure(const PlannedNode& pn, const ChunkCall& call) {
       }
     }
     probe_counter().reset_node_peak();
+    const auto start = std::chrono::steady_clock::now();
     redispatch_on_backing(pn.op, stack, 0, n.device_args, n.generator_arg, nullptr, n.grad_mode);
+    if (ns) {
+      *ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+    }
     return probe_counter().node_peak() - probe_counter().allocated();
   } catch (const std::exception&) {
     return -1;
@@ -154,6 +164,56 @@ bool probe_workspace(const Plan& plan) {
     }
   }
   return learned;
+}
+
+bool probe_node_times(const Plan& plan) {
+  if (!backing_device().is_cpu() || plan.reused || !plan.unpriced ||
+      !config().workspace_probes.load(std::memory_order_relaxed)) {
+    return false;
+  }
+  // The nodes the pricing reads: run again in a later loop, of no time measured yet.
+  std::vector<std::pair<const Stage*, const PlannedNode*>> todo;
+  std::unordered_set<uint64_t> keys;
+  for (const Stage& st : plan.stages) {
+    if (!st.loop || st.chunk <= 0) continue;
+    for (const PlannedNode& pn : st.nodes) {
+      if (!pn.recompute) continue;
+      const uint64_t key = node_time_key(pn);
+      if (node_ns_per_row(key) || !keys.insert(key).second) continue;
+      // (Zeros would not draw or act as the node does: the plan stays unpriced. An in-place node
+      // writes zeros of its own.)
+      if (pn.node->random || pn.node->effectful) return false;
+      todo.emplace_back(&st, &pn);
+    }
+  }
+  if (todo.empty()) return false;
+  // Operands beside what the program holds, within the plan's budget (as the workspace probes).
+  ScopedBudgetLimit limit(plan.budget);
+  std::unordered_map<const LazyBuffer*, int32_t> ids;
+  auto storage_of = [&](const LazyBuffer* b) { return ids.emplace(b, static_cast<int32_t>(ids.size())).first->second; };
+  std::vector<std::tuple<uint64_t, int64_t, int64_t>> learned; // key, rows, ns
+  for (auto [st, pn] : todo) {
+    ChunkCall call = chunk_call(*st, *pn, 0, std::min(st->chunk, st->batch), storage_of);
+    if (call.rows == 0) return false;
+    int64_t best = -1;
+    for (int run = 0; run < 2; ++run) {
+      int64_t ns = 0;
+      if (measure(*pn, call, &ns) < 0) { // refused: the first real run measures it
+        if (config().debug >= 2) {
+          std::fprintf(stderr, "[lazymem] time probe of %s refused: the plan recomputes unpriced\n",
+                       pn->node->describe().c_str());
+        }
+        return false;
+      }
+      best = best < 0 ? ns : std::min(best, ns);
+    }
+    learned.emplace_back(node_time_key(*pn), call.rows, best);
+  }
+  for (auto [key, rows, ns] : learned) observe_node_time(key, rows, ns);
+  if (config().debug >= 2) {
+    std::fprintf(stderr, "[lazymem] time probes: %zu recomputed nodes timed on one chunk each\n", learned.size());
+  }
+  return true;
 }
 
 } // namespace lazymem

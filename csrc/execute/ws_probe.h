@@ -15,4 +15,14 @@ namespace lazymem {
 // True if something was learned (the caller plans again).
 bool probe_workspace(const Plan& plan);
 
+// Time probes. A plan that recomputes values crossing passes without the measured node times to
+// price holding them in host memory instead (Plan::unpriced: a program's first step) would, on the
+// CPU backing device, run every recomputing node again for every chunk of every pass that reads
+// them: the BatchNorm CNN's first step at 3,264 rows took 7.1 s where later ones, priced, take about
+// 2 s. Each recomputed node of unknown time runs instead on zeros of its first chunk's geometry
+// (twice, the faster counted: the first may build a kernel's primitives), and its time per row is
+// learned. True if every one was (the caller plans again, priced, and marks the plan probe_priced).
+// Not on CUDA, where a kernel's time needs a synchronization and recomputing is the cheaper default.
+bool probe_node_times(const Plan& plan);
+
 } // namespace lazymem

@@ -223,6 +223,10 @@ struct Plan {
   // them in host memory instead (PlanInput::Recompute::kPriced): not kept for reuse once it has run,
   // so the next plan of the program is priced.
   bool unpriced = false;
+  // Priced with times measured by probes (execute/ws_probe.h: one chunk of each recomputed node run
+  // on zeros, before the first run measured them): not kept for reuse either, so the next plan is
+  // priced with the times of real runs.
+  bool probe_priced = false;
   // Text form: what splits and why, passes, chunks, where each batch-sharded value lives, partials
   // and their finishes; with `nodes`, every node with its bindings.
   std::string to_string(bool nodes = false) const;

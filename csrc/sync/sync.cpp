@@ -284,6 +284,15 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt, std::string&
     recycle_plan(std::move(plan));
     plan = make_plan(in);
   }
+  // Recomputing values crossing passes, unpriced: its nodes timed on a chunk each, and priced.
+  if (probe_node_times(plan)) {
+    forget_plan(plan.template_id); // (else the cache hands the unpriced plan back)
+    recycle_plan(std::move(plan));
+    plan = make_plan(in);
+    plan.probe_priced = true;
+    plan.notes.push_back("the program's first plan: the recomputing nodes' times were probed on one chunk of zeros "
+                         "each; the next plan prices with the times of real runs");
+  }
   const auto planned = std::chrono::steady_clock::now();
   const bool repeats = plan.reused || (seg.live_snapshot && Pipeline::get().repeats(seg, req.live->offset));
   if (req.background && (plan.split || !plan.retained.empty() ||
@@ -329,7 +338,7 @@ bool run_segment(Segment& seg, const SyncRequest& req, int attempt, std::string&
   // A loop that ran out of memory finished with smaller chunks: so does the plan next time.
   for (auto [stage, chunk] : out.smaller_chunks) plan_learned_chunk(plan.template_id, stage, chunk);
   // Its nodes' times are measured now: the next plan of the program prices recomputing.
-  if (plan.unpriced) forget_plan(plan.template_id);
+  if (plan.unpriced || plan.probe_priced) forget_plan(plan.template_id);
   record_stats(plan, out);
   stats().oom_retries.fetch_add(out.chunk_retries, std::memory_order_relaxed);
   // Out of memory because a kernel needed more workspace than known: a new plan knows it now. From

@@ -32,6 +32,7 @@ from torch_lazymem.testing import (
     force_recompute,
     injected_failures,
     memory_cap,
+    no_workspace_probes,
     simulated_device,
 )
 
@@ -252,12 +253,15 @@ def seconds(value: str, unit: str) -> float:
     return float(value) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[unit]
 
 
+@pytest.mark.parametrize("probes", [True, False])
 @pytest.mark.parametrize("link", ["1MB/s", "25GB/s"])
-def test_the_default_prices_recomputing_against_host_memory(link):
-    """set_recompute(None), the default: the first step recomputes (nothing measured yet) and its plan is
-    not kept; the next step's plan prices both ways — the recomputing nodes' measured time against the
-    copies' time over the link — and takes the cheaper, saying so in explain(). Over a 1 MB/s link,
-    copying MiBs costs seconds: recomputing wins. Either way, eager's state after every step."""
+def test_the_default_prices_recomputing_against_host_memory(link, probes):
+    """set_recompute(None), the default: a plan prices both ways — the recomputing nodes' measured time
+    against the copies' time over the link — and takes the cheaper, saying so in explain(). Over a
+    1 MB/s link, copying MiBs costs seconds: recomputing wins. In a fresh process no node has run: the
+    first step's recomputing nodes are timed by probes, one chunk of zeros each, and it is priced with
+    those (its plan is not kept: the next is priced with real runs); without probes it recomputes
+    unpriced. Either way, eager's state after every step."""
     assert torch_lazymem.recompute() is None
     torch_lazymem._C._clear_node_times()  # as in a fresh process: no node has run yet
     torch.manual_seed(0)
@@ -265,10 +269,10 @@ def test_the_default_prices_recomputing_against_host_memory(link):
     batches = [(torch.randn(64, 3, 16, 16, dtype=torch.float64), torch.randint(0, 10, (64,))) for _ in range(3)]
     ref = copy.deepcopy(model)
     opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
-    with simulated_device("3MiB", link=link):
+    with simulated_device("3MiB", link=link), (contextlib.nullcontext() if probes else no_workspace_probes()):
         lazy = copy.deepcopy(model).to("lazymem")
         opt = torch.optim.SGD(lazy.parameters(), lr=0.1)
-        notes = []
+        notes, texts = [], []
         for x, t in batches:
             torch_lazymem.reset_stats()
             loss = F.cross_entropy(lazy(x.to("lazymem")), t.to("lazymem"))
@@ -276,17 +280,25 @@ def test_the_default_prices_recomputing_against_host_memory(link):
             opt.step()
             opt.zero_grad()
             loss.item()
-            notes.append(NOTE.search(torch_lazymem.explain(print_it=False)))
+            texts.append(torch_lazymem.explain(print_it=False))
+            notes.append(NOTE.search(texts[-1]))
             s = torch_lazymem.stats()
             F.cross_entropy(ref(x), t).backward()
             opt_r.step()
             opt_r.zero_grad()
             assert_state_close(ref, lazy)
-    assert notes[0] is None, notes[0][0]  # unpriced: nothing measured before the first step
+    if probes:
+        assert notes[0] is not None and "times were probed on one chunk" in texts[0], texts[0]
+        assert "probed" not in texts[1]  # priced with real runs
+    else:
+        assert notes[0] is None, notes[0][0]  # unpriced: nothing measured before the first step
+    for priced in notes[0 if probes else 1:2]:
+        assert priced is not None
+        recompute_s, host_s = seconds(priced[4], priced[5]), seconds(priced[6], priced[7])
+        assert priced[1] == ("holding" if host_s < recompute_s else "recomputing"), priced[0]
+        if link == "1MB/s":
+            assert priced[1] == "recomputing", priced[0]
     priced = notes[1]
-    assert priced is not None
-    recompute_s, host_s = seconds(priced[4], priced[5]), seconds(priced[6], priced[7])
-    assert priced[1] == ("holding" if host_s < recompute_s else "recomputing"), priced[0]
     if link == "1MB/s":
         assert priced[1] == "recomputing" and s["values_recomputed"] > 0, priced[0]
         assert s["values_in_host_memory"] == 0 and s["d2h_bytes"] == 0, s

@@ -135,7 +135,8 @@ def force_recompute() -> Iterator[None]:
 def no_workspace_probes() -> Iterator[None]:
     """Kernels that allocate inside are not measured on a row or two before they first run: their
     workspace is learned only from their runs, an out-of-memory retry included (for tests of that
-    path)."""
+    path). Nor are a first plan's recomputing nodes timed by probes to price holding values crossing
+    passes in host memory: that plan recomputes them, unpriced."""
     with _switched(_C._workspace_probes, _C._set_workspace_probes, False):
         yield
 
