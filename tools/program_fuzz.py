@@ -8,7 +8,9 @@ peak, with random allocation failures injected, and compared.
     python tools/program_fuzz.py --worker 9042,9110 # seeds in this process, in order: a JSON line each
 
 The grammar (tools/program_grammar.py):
-  inputs   vectors (B, F), images (B, C, H, W), tokens (B, T) through an embedding, sequences (B, T, F)
+  inputs   vectors (B, F), images (B, C, H, W), tokens (B, T) through an embedding (in 40% of them, from a
+           stream of their own, with BERT's token types: a constant buffer expanded to the batch and
+           embedded), sequences (B, T, F)
   layers   linear, conv, batch norm (training or eval mode), layer norm, group norm, attention with
            a padding or causal mask, LSTM / GRU, embedding, dropout, residual blocks
   random   random ops after any layer (so over the layout it leaves: a linear's, a convolution's, a
