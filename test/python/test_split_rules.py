@@ -225,6 +225,36 @@ def test_replicated_indices_expanded_to_the_batch_select_rows_per_chunk():
         assert torch_lazymem.stats()["splits"] >= 1
 
 
+EXPANDED_TYPES = {
+    "a slice of the batch": lambda W, c, x: (x[:5] * F.embedding(c.expand(5, 3), W)).tanh().sum(),
+    "every third row": lambda W, c, x: (x[::3] + F.embedding(c.expand(x[::3].shape[0], 3), W)).square().sum(),
+    "joined halves": lambda W, c, x: torch.cat([x[:4] + F.embedding(c.expand(4, 3), W), x[4:] * 2]).sin().sum(),
+    "a mean over the batch": lambda W, c, x: (x + F.embedding(c.expand(B, 3), W)).mean(0).square().sum(),
+}
+
+
+@pytest.mark.parametrize("name", list(EXPANDED_TYPES))
+def test_replicated_indices_expanded_to_rows_of_a_slice_of_the_batch(name):
+    """The embedding of a constant expanded to a slice of the batch (row maps), or read by a mean
+    over it: eager's values and gradients under forced chunks."""
+    fn = EXPANDED_TYPES[name]
+    torch.manual_seed(4)
+    w = torch.randn(5, 4, dtype=torch.float64)
+    const = torch.tensor([[1, 0, 3]])
+    x = torch.randn(B, 3, 4, dtype=torch.float64)
+    wr, xr = w.clone().requires_grad_(), x.clone().requires_grad_()
+    expected = fn(wr, const, xr)
+    g_ref = torch.autograd.grad(expected, (wr, xr))
+    with force_chunks(3):
+        wl, xl = w.to("lazymem").requires_grad_(), x.to("lazymem").requires_grad_()
+        out = fn(wl, const.to("lazymem"), xl)
+        g = torch.autograd.grad(out, (wl, xl))
+        torch.testing.assert_close(out.cpu(), expected)
+        for a, b in zip(g, g_ref):
+            torch.testing.assert_close(a.cpu(), b)
+    assert torch_lazymem.stats()["splits"] >= 1
+
+
 def test_factories_that_carry_the_batch():
     x = torch.randn(B, 4, dtype=torch.float64)
     def fn(a):
