@@ -321,6 +321,11 @@ def last_line(p: subprocess.CompletedProcess[str], n: int) -> str:
     return (p.stderr.strip().splitlines() or ["?"])[-1][:n]
 
 
+def selected(case: Case, words: list[str]) -> bool:
+    """Whether --cases picks `case` (its name holds one of `words`; every case when empty)."""
+    return not words or any(w in case.name for w in words)
+
+
 def first_steps(factor: int, words: list[str]) -> int:
     """(g): each case's first step (those whose name holds one of `words`, all when empty) in a fresh
     process, at eager's largest batch times `factor`."""
@@ -333,7 +338,7 @@ def first_steps(factor: int, words: list[str]) -> int:
     print("| case | batch | predicted | measured | ratio | retries | peak / capacity | first ms | later ms | item 5 "
           "| imported dynamo | eager first / later ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for i, case in enumerate(CASES):
-        if words and not any(w in case.name for w in words):
+        if not selected(case, words):
             continue
         torch.manual_seed(0)
         b_e = largest_eager(case, case.model())
@@ -377,7 +382,7 @@ def main() -> int:
           f"median of {steps} steps after 2 warm-up steps\n")
     rows_a, rows_b, rows_c, rows_e, rows_f = [], [], [], [], []
     for case in CASES:
-        if words and not any(w in case.name for w in words):
+        if not selected(case, words):
             continue
         torch.manual_seed(0)
         base = case.model()

@@ -172,7 +172,7 @@ bool probe_node_times(const Plan& plan) {
     return false;
   }
   // The nodes the pricing reads: run again in a later loop, of no time measured yet.
-  std::vector<std::pair<const Stage*, const PlannedNode*>> todo;
+  std::vector<std::tuple<const Stage*, const PlannedNode*, uint64_t>> todo;
   std::unordered_set<uint64_t> keys;
   for (const Stage& st : plan.stages) {
     if (!st.loop || st.chunk <= 0) continue;
@@ -183,7 +183,7 @@ bool probe_node_times(const Plan& plan) {
       // (Zeros would not draw or act as the node does: the plan stays unpriced. An in-place node
       // writes zeros of its own.)
       if (pn.node->random || pn.node->effectful) return false;
-      todo.emplace_back(&st, &pn);
+      todo.emplace_back(&st, &pn, key);
     }
   }
   if (todo.empty()) return false;
@@ -192,7 +192,7 @@ bool probe_node_times(const Plan& plan) {
   std::unordered_map<const LazyBuffer*, int32_t> ids;
   auto storage_of = [&](const LazyBuffer* b) { return ids.emplace(b, static_cast<int32_t>(ids.size())).first->second; };
   std::vector<std::tuple<uint64_t, int64_t, int64_t>> learned; // key, rows, ns
-  for (auto [st, pn] : todo) {
+  for (auto [st, pn, key] : todo) {
     ChunkCall call = chunk_call(*st, *pn, 0, std::min(st->chunk, st->batch), storage_of);
     if (call.rows == 0) return false;
     int64_t best = -1;
@@ -207,7 +207,7 @@ bool probe_node_times(const Plan& plan) {
       }
       best = best < 0 ? ns : std::min(best, ns);
     }
-    learned.emplace_back(node_time_key(*pn), call.rows, best);
+    learned.emplace_back(key, call.rows, best);
   }
   for (auto [key, rows, ns] : learned) observe_node_time(key, rows, ns);
   if (config().debug >= 2) {
